@@ -1,0 +1,57 @@
+"""``dlrover-hpc``: the job master, topology tools, drain, launch, status and local-slurm."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from dlrover_hpc.cli import commands, local_slurm
+from dlrover_hpc.cli.logsetup import setup_logging
+from dlrover_hpc.errors import DlroverHpcError, UsageError
+
+log = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dlrover-hpc",
+        description="Fault-tolerant, elastic PyTorch training on Slurm and bare metal. "
+        "Agents are started with dlrover-run; this command runs the job master and the tools.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.register_master(sub)
+    try:
+        from dlrover_hpc.topology import cli as topology_cli
+    except ImportError:  # pragma: no cover - the topology package is always shipped
+        pass
+    else:
+        topology_cli.register(sub)
+    commands.register_drain(sub)
+    commands.register_launch(sub)
+    commands.register_status(sub)
+    local_slurm.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.command, level=args.log_level)
+    try:
+        return int(args.func(args))
+    except UsageError as exc:
+        print(f"dlrover-hpc: error: {exc}", file=sys.stderr)
+        return 2
+    except DlroverHpcError as exc:
+        print(f"dlrover-hpc: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""``dlrover-run`` flags: every torchrun flag with torchrun's meaning, plus dlrover-hpc's own."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Sequence
+
+from dlrover_hpc.config import NodeRange, env_default, parse_host_port, parse_nproc
+from dlrover_hpc.errors import ConfigError
+
+DESCRIPTION = """\
+Start one dlrover-hpc agent on this node: join the job master's rendezvous, spawn
+--nproc-per-node workers with torchrun's environment, supervise and restart them, and host
+the node's flash-checkpoint saver.  Accepts every torchrun flag.
+
+examples:
+  dlrover-run --standalone --nproc-per-node=2 train.py --steps 100
+  srun dlrover-run --nnodes=3:4 --nproc-per-node=2 --max-restarts=3 train.py
+"""
+
+
+def _both(name: str) -> list[str]:
+    """torchrun accepts both --nproc-per-node and --nproc_per_node spellings."""
+    dashed = f"--{name}"
+    under = dashed[:2] + dashed[2:].replace("-", "_")
+    return [dashed] if under == dashed else [dashed, under]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dlrover-run",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    t = p.add_argument_group("torchrun flags (same meaning as torchrun's)")
+    t.add_argument("--nnodes", default=env_default("nnodes", "1:1"),
+                   help="number of nodes, or MIN:MAX for an elastic job (default 1:1)")
+    t.add_argument(*_both("nproc-per-node"), dest="nproc_per_node",
+                   default=env_default("nproc_per_node", "1"),
+                   help="workers per node: a number, or auto, cpu, gpu (default 1)")
+    t.add_argument(*_both("rdzv-backend"), dest="rdzv_backend", default="dlrover",
+                   help="accepted for torchrun compatibility; the job master does rendezvous")
+    t.add_argument(*_both("rdzv-endpoint"), dest="rdzv_endpoint", default="",
+                   help="accepted for torchrun compatibility; use --master for the job master")
+    t.add_argument(*_both("rdzv-id"), dest="rdzv_id", default=None,
+                   help="run id (TORCHELASTIC_RUN_ID); default: the Slurm job id")
+    t.add_argument(*_both("rdzv-conf"), dest="rdzv_conf", default="",
+                   help="KEY=VALUE,...: join_timeout, last_call_timeout, close_timeout")
+    t.add_argument("--standalone", action="store_true",
+                   help="single node: run an in-process master, no Slurm needed")
+    t.add_argument(*_both("max-restarts"), dest="max_restarts", type=int,
+                   default=int(env_default("max_restarts", "3") or 3),
+                   help="worker-group restarts allowed for the whole job (counted per job, "
+                        "not per agent as torchrun does; default 3)")
+    t.add_argument(*_both("monitor-interval"), dest="monitor_interval", type=float, default=0.1,
+                   help="seconds between checks of the workers (default 0.1)")
+    t.add_argument(*_both("start-method"), dest="start_method", default="spawn",
+                   choices=["spawn", "fork", "forkserver"], help="how workers are started")
+    t.add_argument(*_both("event-log-handler"), dest="event_log_handler", default="null",
+                   help="accepted for torchrun compatibility; events go to events.jsonl")
+    t.add_argument("--role", default="default", help="role of the workers (default: default)")
+    t.add_argument("-m", "--module", action="store_true",
+                   help="run the script as a module, like python -m")
+    t.add_argument(*_both("no-python"), dest="no_python", action="store_true",
+                   help="run the script as an executable, without prepending python")
+    t.add_argument(*_both("run-path"), dest="run_path", action="store_true",
+                   help="accepted for torchrun compatibility (runs in a worker process)")
+    t.add_argument(*_both("log-dir"), dest="log_dir", default=None,
+                   help="directory for per-rank stdout/stderr logs")
+    t.add_argument("-r", "--redirects", default="0",
+                   help="redirect std streams of workers into log files: 0 none, 1 stdout, "
+                        "2 stderr, 3 both; or per rank, e.g. 0:1,1:2")
+    t.add_argument("-t", "--tee", default="0",
+                   help="copy std streams to log files and the console (same values)")
+    t.add_argument(*_both("local-ranks-filter"), dest="local_ranks_filter", default="",
+                   help="only show these local ranks on the console, e.g. 0,1")
+    t.add_argument(*_both("node-rank"), dest="node_rank", type=int, default=-1,
+                   help="ignored: the master assigns node ranks (topology order)")
+    t.add_argument(*_both("master-addr"), dest="master_addr", default=None,
+                   help="ignored: MASTER_ADDR is node rank 0's address, chosen per round")
+    t.add_argument(*_both("master-port"), dest="master_port", type=int, default=None,
+                   help="ignored: MASTER_PORT is fresh for every round so restarts never "
+                        "dial the previous attempt's ports")
+    t.add_argument(*_both("local-addr"), dest="local_addr", default=None,
+                   help="address other nodes use to reach this one (default: host name)")
+    t.add_argument(*_both("logs-specs"), dest="logs_specs", default=None,
+                   help="accepted for torchrun compatibility")
+    t.add_argument(*_both("shutdown-timeout"), dest="shutdown_timeout", type=int, default=15,
+                   help="seconds between SIGTERM and SIGKILL when stopping workers (default 15)")
+    t.add_argument(*_both("signals-to-handle"), dest="signals_to_handle",
+                   default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+                   help="signals forwarded to the workers")
+    d = p.add_argument_group("dlrover-hpc flags")
+    d.add_argument("--master", default=env_default("master", None),
+                   help="job master HOST:PORT (default $DLROVER_HPC_MASTER, else discovered "
+                        "from the job directory under Slurm)")
+    d.add_argument("--network-check", action="store_true",
+                   default=env_default("network_check", "") in ("1", "true", "yes"),
+                   help="pairwise network check before training and before each restart")
+    d.add_argument("--exclude-straggler", action="store_true",
+                   help="with --network-check: exclude a straggler (check time > 2x median)")
+    d.add_argument("--node-unit", type=int, default=int(env_default("node_unit", "1") or 1),
+                   help="admit nodes only in multiples of N (default 1)")
+    d.add_argument("--job-dir", default=env_default("job_dir", None),
+                   help="job directory (default $SLURM_SUBMIT_DIR/.dlrover-hpc/$SLURM_JOB_ID)")
+    p.add_argument("training_script", help="the training script (or module with -m)")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER,
+                   help="arguments of the training script")
+    return p  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RunConfig:
+    nnodes: NodeRange
+    nproc_per_node: int
+    standalone: bool
+    master: tuple[str, int] | None
+    max_restarts: int
+    monitor_interval_s: float
+    start_method: str
+    role: str
+    module: bool
+    no_python: bool
+    log_dir: str | None
+    redirects: str
+    tee: str
+    local_ranks_filter: str
+    local_addr: str | None
+    shutdown_timeout_s: float
+    network_check: bool
+    exclude_straggler: bool
+    node_unit: int
+    job_dir: str | None
+    run_id: str | None
+    rdzv_conf: dict[str, str]
+    training_script: str
+    training_script_args: tuple[str, ...]
+
+
+def _parse_rdzv_conf(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--rdzv-conf={text}: expected KEY=VALUE,..., got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _check_std_streams(flag: str, value: str) -> None:
+    ok = value in ("0", "1", "2", "3") or all(
+        part.count(":") == 1 and all(x.isdigit() for x in part.split(":"))
+        for part in value.split(",")
+    )
+    if not ok:
+        raise ConfigError(f"{flag}={value}: expected 0, 1, 2, 3 or LOCAL_RANK:VALUE,...")
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """Validate parsed flags; raises ConfigError (exit 2) naming the flag and the fix."""
+    nnodes = NodeRange.parse(args.nnodes)
+    if args.standalone and args.master:
+        raise ConfigError(
+            "--standalone runs its own in-process master; drop --master "
+            "(or unset DLROVER_HPC_MASTER) or drop --standalone"
+        )
+    if args.standalone and nnodes.max != 1:
+        raise ConfigError(f"--standalone is for one node; got --nnodes={args.nnodes}")
+    if args.exclude_straggler and not args.network_check:
+        raise ConfigError("--exclude-straggler needs --network-check (stragglers are found by it)")
+    if args.node_unit < 1:
+        raise ConfigError(f"--node-unit={args.node_unit}: must be at least 1")
+    if args.node_unit > nnodes.max:
+        raise ConfigError(
+            f"--node-unit={args.node_unit} is larger than --nnodes maximum {nnodes.max}; "
+            "lower --node-unit or raise the maximum"
+        )
+    if nnodes.max // args.node_unit * args.node_unit < nnodes.min:
+        raise ConfigError(
+            f"--nnodes={args.nnodes} with --node-unit={args.node_unit}: no multiple of "
+            f"{args.node_unit} lies between {nnodes.min} and {nnodes.max}"
+        )
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts={args.max_restarts}: must be 0 or more")
+    if args.monitor_interval <= 0:
+        raise ConfigError(f"--monitor-interval={args.monitor_interval}: must be > 0")
+    if args.module and args.no_python:
+        raise ConfigError("--module and --no-python exclude each other; pick one")
+    _check_std_streams("--redirects", args.redirects)
+    _check_std_streams("--tee", args.tee)
+    master = parse_host_port(args.master, flag="--master") if args.master else None
+    return RunConfig(
+        nnodes=nnodes,
+        nproc_per_node=parse_nproc(str(args.nproc_per_node)),
+        standalone=args.standalone,
+        master=master,
+        max_restarts=args.max_restarts,
+        monitor_interval_s=args.monitor_interval,
+        start_method=args.start_method,
+        role=args.role,
+        module=args.module,
+        no_python=args.no_python,
+        log_dir=args.log_dir,
+        redirects=args.redirects,
+        tee=args.tee,
+        local_ranks_filter=args.local_ranks_filter,
+        local_addr=args.local_addr,
+        shutdown_timeout_s=float(args.shutdown_timeout),
+        network_check=args.network_check,
+        exclude_straggler=args.exclude_straggler,
+        node_unit=args.node_unit,
+        job_dir=args.job_dir,
+        run_id=args.rdzv_id,
+        rdzv_conf=_parse_rdzv_conf(args.rdzv_conf),
+        training_script=args.training_script,
+        training_script_args=tuple(args.training_script_args),
+    )
+
+
+def parse(argv: Sequence[str] | None = None) -> RunConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return config_from_args(args)
+    except ConfigError as exc:
+        parser.exit(2, f"dlrover-run: error: {exc}\n")
+
+
+def default_job_dir(env: dict[str, str] | None = None) -> str:
+    env = dict(os.environ) if env is None else env
+    if env.get("SLURM_JOB_ID"):
+        base = env.get("SLURM_SUBMIT_DIR") or os.getcwd()
+        return os.path.join(base, ".dlrover-hpc", env["SLURM_JOB_ID"])
+    return os.path.join(os.getcwd(), ".dlrover-hpc", "standalone")
