@@ -16,31 +16,63 @@ def register_master(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "policy, network checks, drain/quarantine and replacements. Every flag can also come "
         "from DLROVER_HPC_<FLAG> (e.g. DLROVER_HPC_NNODES=4:4).",
     )
-    p.add_argument("--host", default=env_default("host", "0.0.0.0"),
-                   help="address to listen on (default 0.0.0.0)")
-    p.add_argument("--port", type=int, default=int(env_default("port", "0") or 0),
-                   help="port to listen on; 0 picks a free one (default 0)")
-    p.add_argument("--nnodes", default=env_default("nnodes", "1:1"),
-                   help="N or MIN:MAX nodes in the training group")
-    p.add_argument("--node-unit", type=int, default=int(env_default("node_unit", "1") or 1),
-                   help="admit nodes only in multiples of N")
-    p.add_argument("--topology", default=env_default("topology", None),
-                   help="switch topology file (Slurm topology.conf or ASW PSW HOST list)")
-    p.add_argument("--drain", default=env_default("drain", "scontrol"),
-                   choices=[m.value for m in DrainMode],
-                   help="what to do with a faulty node (default scontrol; falls back to "
-                        "quarantine when Slurm refuses)")
-    p.add_argument("--job-dir", default=env_default("job_dir", None),
-                   help="job directory (default $SLURM_SUBMIT_DIR/.dlrover-hpc/$SLURM_JOB_ID)")
-    p.add_argument("--max-restarts", type=int,
-                   default=int(env_default("max_restarts", "3") or 3),
-                   help="worker-group restarts allowed for the whole job (default 3)")
-    p.add_argument("--heartbeat-timeout", type=float,
-                   default=float(env_default("heartbeat_timeout", "15") or 15),
-                   help="seconds without a heartbeat before an agent counts as lost")
-    p.add_argument("--last-call", type=float,
-                   default=float(env_default("last_call", "3") or 3),
-                   help="seconds to wait for more nodes once MIN have joined (default 3)")
+    p.add_argument(
+        "--host",
+        default=env_default("host", "0.0.0.0"),
+        help="address to listen on (default 0.0.0.0)",
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=int(env_default("port", "0") or 0),
+        help="port to listen on; 0 picks a free one (default 0)",
+    )
+    p.add_argument(
+        "--nnodes",
+        default=env_default("nnodes", "1:1"),
+        help="N or MIN:MAX nodes in the training group",
+    )
+    p.add_argument(
+        "--node-unit",
+        type=int,
+        default=int(env_default("node_unit", "1") or 1),
+        help="admit nodes only in multiples of N",
+    )
+    p.add_argument(
+        "--topology",
+        default=env_default("topology", None),
+        help="switch topology file (Slurm topology.conf or ASW PSW HOST list)",
+    )
+    p.add_argument(
+        "--drain",
+        default=env_default("drain", "scontrol"),
+        choices=[m.value for m in DrainMode],
+        help="what to do with a faulty node (default scontrol; falls back to "
+        "quarantine when Slurm refuses)",
+    )
+    p.add_argument(
+        "--job-dir",
+        default=env_default("job_dir", None),
+        help="job directory (default $SLURM_SUBMIT_DIR/.dlrover-hpc/$SLURM_JOB_ID)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=int(env_default("max_restarts", "3") or 3),
+        help="worker-group restarts allowed for the whole job (default 3)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=float(env_default("heartbeat_timeout", "15") or 15),
+        help="seconds without a heartbeat before an agent counts as lost",
+    )
+    p.add_argument(
+        "--last-call",
+        type=float,
+        default=float(env_default("last_call", "3") or 3),
+        help="seconds to wait for more nodes once MIN have joined (default 3)",
+    )
     p.set_defaults(func=_master)  # fmt: skip
 
 

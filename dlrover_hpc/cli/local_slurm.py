@@ -19,8 +19,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     verbs = p.add_subparsers(dest="verb", required=True, metavar="{up,down,status}")
     up = verbs.add_parser("up", help="start the cluster (installs Slurm and munge if missing)")
     up.add_argument("--nodes", type=int, default=4, help="number of nodes (default 4)")
-    up.add_argument("--topology", type=Path, default=None,
-                    help="topology file for topology/tree (default: two leaves, one spine)")
+    up.add_argument(
+        "--topology",
+        type=Path,
+        default=None,
+        help="topology file for topology/tree (default: two leaves, one spine)",
+    )
     up.set_defaults(func=_up)
     down = verbs.add_parser("down", help="stop our daemons, remove our namespaces and config")
     down.set_defaults(func=_down)

@@ -36,79 +36,194 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     t = p.add_argument_group("torchrun flags (same meaning as torchrun's)")
-    t.add_argument("--nnodes", default=env_default("nnodes", "1:1"),
-                   help="number of nodes, or MIN:MAX for an elastic job (default 1:1)")
-    t.add_argument(*_both("nproc-per-node"), dest="nproc_per_node",
-                   default=env_default("nproc_per_node", "1"),
-                   help="workers per node: a number, or auto, cpu, gpu (default 1)")
-    t.add_argument(*_both("rdzv-backend"), dest="rdzv_backend", default="dlrover",
-                   help="accepted for torchrun compatibility; the job master does rendezvous")
-    t.add_argument(*_both("rdzv-endpoint"), dest="rdzv_endpoint", default="",
-                   help="accepted for torchrun compatibility; use --master for the job master")
-    t.add_argument(*_both("rdzv-id"), dest="rdzv_id", default=None,
-                   help="run id (TORCHELASTIC_RUN_ID); default: the Slurm job id")
-    t.add_argument(*_both("rdzv-conf"), dest="rdzv_conf", default="",
-                   help="KEY=VALUE,...: join_timeout, last_call_timeout, close_timeout")
-    t.add_argument("--standalone", action="store_true",
-                   help="single node: run an in-process master, no Slurm needed")
-    t.add_argument(*_both("max-restarts"), dest="max_restarts", type=int,
-                   default=int(env_default("max_restarts", "3") or 3),
-                   help="worker-group restarts allowed for the whole job (counted per job, "
-                        "not per agent as torchrun does; default 3)")
-    t.add_argument(*_both("monitor-interval"), dest="monitor_interval", type=float, default=0.1,
-                   help="seconds between checks of the workers (default 0.1)")
-    t.add_argument(*_both("start-method"), dest="start_method", default="spawn",
-                   choices=["spawn", "fork", "forkserver"], help="how workers are started")
-    t.add_argument(*_both("event-log-handler"), dest="event_log_handler", default="null",
-                   help="accepted for torchrun compatibility; events go to events.jsonl")
+    t.add_argument(
+        "--nnodes",
+        default=env_default("nnodes", "1:1"),
+        help="number of nodes, or MIN:MAX for an elastic job (default 1:1)",
+    )
+    t.add_argument(
+        *_both("nproc-per-node"),
+        dest="nproc_per_node",
+        default=env_default("nproc_per_node", "1"),
+        help="workers per node: a number, or auto, cpu, gpu (default 1)",
+    )
+    t.add_argument(
+        *_both("rdzv-backend"),
+        dest="rdzv_backend",
+        default="dlrover",
+        help="accepted for torchrun compatibility; the job master does rendezvous",
+    )
+    t.add_argument(
+        *_both("rdzv-endpoint"),
+        dest="rdzv_endpoint",
+        default="",
+        help="accepted for torchrun compatibility; use --master for the job master",
+    )
+    t.add_argument(
+        *_both("rdzv-id"),
+        dest="rdzv_id",
+        default=None,
+        help="run id (TORCHELASTIC_RUN_ID); default: the Slurm job id",
+    )
+    t.add_argument(
+        *_both("rdzv-conf"),
+        dest="rdzv_conf",
+        default="",
+        help="KEY=VALUE,...: join_timeout, last_call_timeout, close_timeout",
+    )
+    t.add_argument(
+        "--standalone",
+        action="store_true",
+        help="single node: run an in-process master, no Slurm needed",
+    )
+    t.add_argument(
+        *_both("max-restarts"),
+        dest="max_restarts",
+        type=int,
+        default=int(env_default("max_restarts", "3") or 3),
+        help="worker-group restarts allowed for the whole job (counted per job, "
+        "not per agent as torchrun does; default 3)",
+    )
+    t.add_argument(
+        *_both("monitor-interval"),
+        dest="monitor_interval",
+        type=float,
+        default=0.1,
+        help="seconds between checks of the workers (default 0.1)",
+    )
+    t.add_argument(
+        *_both("start-method"),
+        dest="start_method",
+        default="spawn",
+        choices=["spawn", "fork", "forkserver"],
+        help="how workers are started",
+    )
+    t.add_argument(
+        *_both("event-log-handler"),
+        dest="event_log_handler",
+        default="null",
+        help="accepted for torchrun compatibility; events go to events.jsonl",
+    )
     t.add_argument("--role", default="default", help="role of the workers (default: default)")
-    t.add_argument("-m", "--module", action="store_true",
-                   help="run the script as a module, like python -m")
-    t.add_argument(*_both("no-python"), dest="no_python", action="store_true",
-                   help="run the script as an executable, without prepending python")
-    t.add_argument(*_both("run-path"), dest="run_path", action="store_true",
-                   help="accepted for torchrun compatibility (runs in a worker process)")
-    t.add_argument(*_both("log-dir"), dest="log_dir", default=None,
-                   help="directory for per-rank stdout/stderr logs")
-    t.add_argument("-r", "--redirects", default="0",
-                   help="redirect std streams of workers into log files: 0 none, 1 stdout, "
-                        "2 stderr, 3 both; or per rank, e.g. 0:1,1:2")
-    t.add_argument("-t", "--tee", default="0",
-                   help="copy std streams to log files and the console (same values)")
-    t.add_argument(*_both("local-ranks-filter"), dest="local_ranks_filter", default="",
-                   help="only show these local ranks on the console, e.g. 0,1")
-    t.add_argument(*_both("node-rank"), dest="node_rank", type=int, default=-1,
-                   help="ignored: the master assigns node ranks (topology order)")
-    t.add_argument(*_both("master-addr"), dest="master_addr", default=None,
-                   help="ignored: MASTER_ADDR is node rank 0's address, chosen per round")
-    t.add_argument(*_both("master-port"), dest="master_port", type=int, default=None,
-                   help="ignored: MASTER_PORT is fresh for every round so restarts never "
-                        "dial the previous attempt's ports")
-    t.add_argument(*_both("local-addr"), dest="local_addr", default=None,
-                   help="address other nodes use to reach this one (default: host name)")
-    t.add_argument(*_both("logs-specs"), dest="logs_specs", default=None,
-                   help="accepted for torchrun compatibility")
-    t.add_argument(*_both("shutdown-timeout"), dest="shutdown_timeout", type=int, default=15,
-                   help="seconds between SIGTERM and SIGKILL when stopping workers (default 15)")
-    t.add_argument(*_both("signals-to-handle"), dest="signals_to_handle",
-                   default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-                   help="signals forwarded to the workers")
+    t.add_argument(
+        "-m", "--module", action="store_true", help="run the script as a module, like python -m"
+    )
+    t.add_argument(
+        *_both("no-python"),
+        dest="no_python",
+        action="store_true",
+        help="run the script as an executable, without prepending python",
+    )
+    t.add_argument(
+        *_both("run-path"),
+        dest="run_path",
+        action="store_true",
+        help="accepted for torchrun compatibility (runs in a worker process)",
+    )
+    t.add_argument(
+        *_both("log-dir"),
+        dest="log_dir",
+        default=None,
+        help="directory for per-rank stdout/stderr logs",
+    )
+    t.add_argument(
+        "-r",
+        "--redirects",
+        default="0",
+        help="redirect std streams of workers into log files: 0 none, 1 stdout, "
+        "2 stderr, 3 both; or per rank, e.g. 0:1,1:2",
+    )
+    t.add_argument(
+        "-t",
+        "--tee",
+        default="0",
+        help="copy std streams to log files and the console (same values)",
+    )
+    t.add_argument(
+        *_both("local-ranks-filter"),
+        dest="local_ranks_filter",
+        default="",
+        help="only show these local ranks on the console, e.g. 0,1",
+    )
+    t.add_argument(
+        *_both("node-rank"),
+        dest="node_rank",
+        type=int,
+        default=-1,
+        help="ignored: the master assigns node ranks (topology order)",
+    )
+    t.add_argument(
+        *_both("master-addr"),
+        dest="master_addr",
+        default=None,
+        help="ignored: MASTER_ADDR is node rank 0's address, chosen per round",
+    )
+    t.add_argument(
+        *_both("master-port"),
+        dest="master_port",
+        type=int,
+        default=None,
+        help="ignored: MASTER_PORT is fresh for every round so restarts never "
+        "dial the previous attempt's ports",
+    )
+    t.add_argument(
+        *_both("local-addr"),
+        dest="local_addr",
+        default=None,
+        help="address other nodes use to reach this one (default: host name)",
+    )
+    t.add_argument(
+        *_both("logs-specs"),
+        dest="logs_specs",
+        default=None,
+        help="accepted for torchrun compatibility",
+    )
+    t.add_argument(
+        *_both("shutdown-timeout"),
+        dest="shutdown_timeout",
+        type=int,
+        default=15,
+        help="seconds between SIGTERM and SIGKILL when stopping workers (default 15)",
+    )
+    t.add_argument(
+        *_both("signals-to-handle"),
+        dest="signals_to_handle",
+        default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        help="signals forwarded to the workers",
+    )
     d = p.add_argument_group("dlrover-hpc flags")
-    d.add_argument("--master", default=env_default("master", None),
-                   help="job master HOST:PORT (default $DLROVER_HPC_MASTER, else discovered "
-                        "from the job directory under Slurm)")
-    d.add_argument("--network-check", action="store_true",
-                   default=env_default("network_check", "") in ("1", "true", "yes"),
-                   help="pairwise network check before training and before each restart")
-    d.add_argument("--exclude-straggler", action="store_true",
-                   help="with --network-check: exclude a straggler (check time > 2x median)")
-    d.add_argument("--node-unit", type=int, default=int(env_default("node_unit", "1") or 1),
-                   help="admit nodes only in multiples of N (default 1)")
-    d.add_argument("--job-dir", default=env_default("job_dir", None),
-                   help="job directory (default $SLURM_SUBMIT_DIR/.dlrover-hpc/$SLURM_JOB_ID)")
+    d.add_argument(
+        "--master",
+        default=env_default("master", None),
+        help="job master HOST:PORT (default $DLROVER_HPC_MASTER, else discovered "
+        "from the job directory under Slurm)",
+    )
+    d.add_argument(
+        "--network-check",
+        action="store_true",
+        default=env_default("network_check", "") in ("1", "true", "yes"),
+        help="pairwise network check before training and before each restart",
+    )
+    d.add_argument(
+        "--exclude-straggler",
+        action="store_true",
+        help="with --network-check: exclude a straggler (check time > 2x median)",
+    )
+    d.add_argument(
+        "--node-unit",
+        type=int,
+        default=int(env_default("node_unit", "1") or 1),
+        help="admit nodes only in multiples of N (default 1)",
+    )
+    d.add_argument(
+        "--job-dir",
+        default=env_default("job_dir", None),
+        help="job directory (default $SLURM_SUBMIT_DIR/.dlrover-hpc/$SLURM_JOB_ID)",
+    )
     p.add_argument("training_script", help="the training script (or module with -m)")
-    p.add_argument("training_script_args", nargs=argparse.REMAINDER,
-                   help="arguments of the training script")
+    p.add_argument(
+        "training_script_args", nargs=argparse.REMAINDER, help="arguments of the training script"
+    )
     return p  # fmt: skip
 
 

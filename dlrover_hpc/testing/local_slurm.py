@@ -314,8 +314,10 @@ PartitionName=debug Nodes={hostlist} Default=YES MaxTime=INFINITE State=UP
     def _start_slurmctld(self) -> int:
         pid = self._spawn(["slurmctld", "-D", "-i"], "slurmctld.stdout")
         _wait(
-            lambda: subprocess.run(["scontrol", "ping"], capture_output=True).returncode == 0
-            or not _alive(pid),
+            lambda: (
+                subprocess.run(["scontrol", "ping"], capture_output=True).returncode == 0
+                or not _alive(pid)
+            ),
             timeout_s=20,
             what="slurmctld to answer 'scontrol ping'",
         )
@@ -433,6 +435,11 @@ PartitionName=debug Nodes={hostlist} Default=YES MaxTime=INFINITE State=UP
             return []
         out = _run(["ip", "netns", "pids", ns], check=False)
         return [int(p) for p in out.split() if p.isdigit() and _alive(int(p))]
+
+    def slurmd_pids(self) -> dict[str, int]:
+        """Our live slurmd per node (empty when down)."""
+        state = self._load_state() or {}
+        return {n: int(p) for n, p in state.get("slurmd_pids", {}).items() if _alive(int(p))}
 
     def slurmd_pid(self, node: str) -> int:
         state = self._load_state() or {}

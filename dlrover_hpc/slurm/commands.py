@@ -1,0 +1,103 @@
+"""The only place that runs Slurm's binaries: argv lists, timeouts, parsed results."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shlex
+import subprocess
+from collections.abc import Sequence
+from typing import Protocol
+
+from dlrover_hpc.errors import SlurmError
+from dlrover_hpc.slurm.hostnames import expand
+from dlrover_hpc.slurm.parse import parse_oneliner
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Completed:
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class Runner(Protocol):
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> Completed: ...
+
+
+def run_command(argv: Sequence[str], *, timeout_s: float) -> Completed:
+    try:
+        proc = subprocess.run(
+            list(argv), capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except FileNotFoundError:
+        raise SlurmError(
+            f"{argv[0]}: not found; is Slurm's client installed on this node?"
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"{shlex.join(argv)}: no answer within {timeout_s:.0f} s") from None
+    return Completed(
+        argv=tuple(argv), returncode=proc.returncode, stdout=proc.stdout, stderr=proc.stderr
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class DrainResult:
+    ok: bool
+    error: str
+    admin_command: str
+
+
+def _drain_argv(node: str, reason: str) -> list[str]:
+    return ["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"]
+
+
+def drain_node(
+    node: str, *, reason: str, run: Runner = run_command, timeout_s: float = 30.0
+) -> DrainResult:
+    """Drain ``node``; Slurm allows it only to admins, so a refusal is a result, not an error."""
+    argv = _drain_argv(node, reason)
+    done = run(argv, timeout_s=timeout_s)
+    admin = shlex.join(argv)
+    if done.returncode == 0:
+        log.info("node drained node=%s reason=%r", node, reason)
+        return DrainResult(ok=True, error="", admin_command=admin)
+    error = (done.stderr or done.stdout).strip() or f"exit code {done.returncode}"
+    log.warning("drain refused node=%s error=%r admin_command=%r", node, error, admin)
+    return DrainResult(ok=False, error=error, admin_command=admin)
+
+
+def job_nodes(job_id: str, *, run: Runner = run_command, timeout_s: float = 15.0) -> list[str]:
+    """Nodes the job holds now (SLURM_JOB_NODELIST goes stale when a node is lost)."""
+    done = run(["squeue", "-h", "-j", job_id, "-o", "%N"], timeout_s=timeout_s)
+    if done.returncode != 0:
+        raise SlurmError(f"squeue -j {job_id} failed: {done.stderr.strip()}")
+    return expand(done.stdout.strip(), source=f"squeue -j {job_id}")
+
+
+def show_node(node: str, *, run: Runner = run_command, timeout_s: float = 15.0) -> dict[str, str]:
+    done = run(["scontrol", "-o", "show", "node", node], timeout_s=timeout_s)
+    if done.returncode != 0:
+        raise SlurmError(f"scontrol show node {node} failed: {done.stderr.strip()}")
+    return parse_oneliner(done.stdout)
+
+
+def requeue_job(job_id: str, *, run: Runner = run_command, timeout_s: float = 30.0) -> None:
+    """Requeue and make it eligible at once (Slurm otherwise waits 120 s)."""
+    for argv in (
+        ["scontrol", "requeue", job_id],
+        ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+    ):
+        done = run(argv, timeout_s=timeout_s)
+        if done.returncode != 0:
+            raise SlurmError(f"{shlex.join(argv)} failed: {done.stderr.strip()}")
+
+
+def show_topology(*, run: Runner = run_command, timeout_s: float = 15.0) -> str:
+    done = run(["scontrol", "show", "topology"], timeout_s=timeout_s)
+    if done.returncode != 0:
+        raise SlurmError(f"scontrol show topology failed: {done.stderr.strip()}")
+    return done.stdout

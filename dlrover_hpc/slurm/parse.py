@@ -1,0 +1,35 @@
+"""Pure parsers of Slurm command output (tested on verbatim captured output)."""
+
+from __future__ import annotations
+
+import re
+
+_KEY = re.compile(r"(?:^|(?<=\s))([A-Za-z][A-Za-z0-9_:/.]*)=")
+
+
+def parse_oneliner(line: str) -> dict[str, str]:
+    """``scontrol -o show node|job X``: one line of ``Key=Value`` pairs; values may hold spaces
+    (``Reason=dlrover-hpc: link down [root@2026-11-21T21:15:53]``)."""
+    matches = list(_KEY.finditer(line.strip()))
+    out: dict[str, str] = {}
+    text = line.strip()
+    for i, m in enumerate(matches):
+        end = matches[i + 1].start() if i + 1 < len(matches) else len(text)
+        out[m.group(1)] = text[m.end() : end].strip()
+    return out
+
+
+def node_state(fields: dict[str, str]) -> tuple[str, frozenset[str]]:
+    """``State=IDLE+DRAIN`` -> ``("IDLE", {"DRAIN"})``."""
+    base, *flags = fields.get("State", "UNKNOWN").split("+")
+    return base, frozenset(flags)
+
+
+def parse_sinfo_nodes(text: str) -> dict[str, str]:
+    """``sinfo -h -N -o '%N %t'`` -> ``{node: short state}``."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2:
+            out[parts[0]] = parts[1]
+    return out
