@@ -1,0 +1,211 @@
+"""The per-node agent: join, run workers, supervise them, re-rendezvous on any change."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
+
+from dlrover_hpc.agent.workers import WorkerFailure, WorkerGroup
+from dlrover_hpc.cli.run_args import RunConfig
+from dlrover_hpc.protocol import messages as m
+from dlrover_hpc.protocol.client import MasterClient
+from dlrover_hpc.slurm.env import parse_slurm_env
+
+log = logging.getLogger(__name__)
+
+
+class Outcome(Enum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    ROUND_CHANGED = "round_changed"
+    STOPPED = "stopped"  # SIGTERM/SIGINT to the agent
+
+
+class Agent:
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        master: tuple[str, int],
+        token: str,
+        job_dir: Path,
+        on_workers_stopped: Callable[[], None] | None = None,
+        classify: Callable[[WorkerFailure], str] | None = None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self.master = master
+        self._token = token
+        self.job_dir = job_dir
+        self._on_stopped = on_workers_stopped or (lambda: None)
+        self._classify = classify or (lambda _f: "software")
+        self._extra_env = extra_env or {}
+        self.node = socket.gethostname().split(".")[0]
+        self.workers = WorkerGroup(config, log_dir=config.log_dir)
+        self.client: MasterClient | None = None
+        self.agent_id = ""
+        self.round = 0
+        self._stop = asyncio.Event()
+        self._round_changed = asyncio.Event()
+        self.exit_code = 1
+
+    # -------------------------------------------------------------- setup
+    async def _connect(self) -> None:
+        host, port = self.master
+        self.client = await MasterClient.connect(host, port, token=self._token)
+        slurm = parse_slurm_env(os.environ)
+        reply = await self.client.request(
+            m.Join(
+                node=self.node,
+                addr=self.config.local_addr or self.node,
+                nproc=self.config.nproc_per_node,
+                slurm_node_id=slurm.node_id if slurm else None,
+                topology_addr=slurm.topology_addr if slurm else None,
+                agent_id=self.agent_id or None,
+            ),
+            m.JoinReply,
+            timeout_s=30,
+        )
+        self.agent_id = reply.agent_id
+        self._heartbeat_s = reply.heartbeat_interval_s
+        log.info("joined master=%s:%d agent=%s", host, port, self.agent_id)
+
+    def _install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._stop.set)
+
+    # --------------------------------------------------------------- loop
+    async def run(self) -> int:
+        self._install_signals()
+        await self._connect()
+        assert self.client is not None
+        beats = asyncio.create_task(self._heartbeats())
+        pushes = asyncio.create_task(self._pushes())
+        try:
+            return await self._rounds()
+        finally:
+            beats.cancel()
+            pushes.cancel()
+            await self._stop_workers()
+            await self.client.close()
+
+    async def _rounds(self) -> int:
+        assert self.client is not None
+        while True:
+            wait = asyncio.create_task(self.client.request(
+                m.WaitRound(agent_id=self.agent_id, after_round=self.round), m.Assignment,
+                timeout_s=24 * 3600,
+            ))  # fmt: skip
+            stop = asyncio.create_task(self._stop.wait())
+            done, _ = await asyncio.wait({wait, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if stop in done:
+                wait.cancel()
+                log.info("agent stopped by signal while waiting in rendezvous")
+                return 143
+            stop.cancel()
+            assignment = wait.result()
+            status = m.NodeStatus(assignment.status)
+            if status is m.NodeStatus.FINISHED:
+                log.info("job finished exit_code=%d reason=%s", assignment.exit_code,
+                         assignment.reason)  # fmt: skip
+                return assignment.exit_code
+            if status is m.NodeStatus.EXCLUDED:
+                log.error("this node is excluded from the job: %s", assignment.reason)
+                return 1
+            outcome = await self._run_round(assignment)
+            if outcome is Outcome.STOPPED:
+                return 143
+
+    async def _run_round(self, a: m.Assignment) -> Outcome:
+        assert self.client is not None
+        self.round = a.round
+        self._round_changed.clear()
+        env = {
+            "DLROVER_HPC_MASTER": f"{self.master[0]}:{self.master[1]}",
+            "DLROVER_HPC_JOB_DIR": str(self.job_dir),
+            "DLROVER_HPC_JOB_ID": a.run_id,
+            **self._extra_env,
+        }
+        pids = await asyncio.to_thread(self.workers.start, a, env)
+        await self.client.request(
+            m.WorkersStarted(agent_id=self.agent_id, round=a.round, pids=list(pids.values())),
+            m.Ack, timeout_s=30,
+        )  # fmt: skip
+        outcome, failures = await self._monitor()
+        if outcome is Outcome.SUCCEEDED:
+            self.workers.stop()
+            await self.client.request(
+                m.WorkersSucceeded(agent_id=self.agent_id, round=a.round), m.Ack, timeout_s=30
+            )
+            return outcome
+        if outcome is Outcome.FAILED:
+            first = failures[0]
+            kind = self._classify(first)
+            log.warning("worker failed rank=%d exit_code=%s signal=%s classification=%s",
+                        first.rank, first.exit_code, first.signal, kind)  # fmt: skip
+            await self.client.request(
+                m.WorkerFailed(
+                    agent_id=self.agent_id, round=a.round, local_rank=first.local_rank,
+                    rank=first.rank, exit_code=first.exit_code, signal=first.signal,
+                    classification=kind, reason=first.message[:500],
+                ),
+                m.Ack, timeout_s=30,
+            )  # fmt: skip
+        await self._stop_workers()
+        return outcome
+
+    async def _monitor(self) -> tuple[Outcome, list[WorkerFailure]]:
+        interval = self.config.monitor_interval_s
+        while True:
+            if self._stop.is_set():
+                return Outcome.STOPPED, []
+            if self._round_changed.is_set():
+                log.info("round changed: stopping workers to re-rendezvous")
+                return Outcome.ROUND_CHANGED, []
+            result = await asyncio.to_thread(self.workers.poll)
+            if result is not None:
+                if result.is_failed():
+                    return Outcome.FAILED, self.workers.failures(result)
+                return Outcome.SUCCEEDED, []
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._round_changed.wait(), interval)
+
+    async def _stop_workers(self) -> None:
+        if self.workers.running:
+            await asyncio.to_thread(self.workers.stop)
+        # Persist the newest in-memory checkpoint before anything restarts.
+        await asyncio.to_thread(self._on_stopped)
+
+    # ---------------------------------------------------- background tasks
+    async def _pushes(self) -> None:
+        assert self.client is not None
+        while True:
+            msg = await self.client.pushes.get()
+            if isinstance(msg, m.RoundChanged) and msg.round > self.round:
+                log.info("master opened round=%d reason=%s", msg.round, msg.reason)
+                self._round_changed.set()
+
+    async def _heartbeats(self) -> None:
+        assert self.client is not None
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            try:
+                reply = await self.client.request(
+                    m.Heartbeat(agent_id=self.agent_id, round=self.round), m.HeartbeatReply,
+                    timeout_s=max(5.0, 2 * self._heartbeat_s),
+                )  # fmt: skip
+            except (ConnectionError, TimeoutError) as exc:
+                log.error("lost the master error=%s; stopping workers", exc)
+                self._stop.set()
+                return
+            if (reply.round > self.round or reply.finished) and self.workers.running:
+                self._round_changed.set()

@@ -1,0 +1,157 @@
+"""The node's worker processes, through torch.distributed.elastic's public process API."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResult
+
+from dlrover_hpc.cli.run_args import RunConfig
+from dlrover_hpc.protocol.messages import Assignment
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerFailure:
+    local_rank: int
+    rank: int
+    exit_code: int | None
+    signal: str | None
+    message: str
+    error_file: str
+    log_tail: str
+
+
+def worker_env(
+    config: RunConfig,
+    assignment: Assignment,
+    *,
+    local_rank: int,
+    extra: Mapping[str, str],
+) -> dict[str, str]:
+    """torchrun's environment for one worker, plus dlrover-hpc's own variables."""
+    nproc = config.nproc_per_node
+    rank = assignment.rank_offset + local_rank
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(assignment.world_size),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_RANK": str(assignment.node_rank),
+        "GROUP_WORLD_SIZE": str(assignment.nnodes),
+        "ROLE_NAME": config.role,
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(assignment.world_size),
+        "MASTER_ADDR": assignment.store_host,
+        "MASTER_PORT": str(assignment.store_port),
+        "TORCHELASTIC_RESTART_COUNT": str(assignment.restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(assignment.max_restarts),
+        "TORCHELASTIC_RUN_ID": config.run_id or assignment.run_id,
+        # Workers join the master's per-round store as clients (a fresh store each round).
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    }
+    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
+        env["OMP_NUM_THREADS"] = "1"  # torchrun's default
+    return env
+
+
+def _std(value: str) -> Std | dict[int, Std]:
+    return Std.from_str(value)
+
+
+class WorkerGroup:
+    """Start, poll and stop this node's ``--nproc-per-node`` workers."""
+
+    def __init__(self, config: RunConfig, *, log_dir: str | None) -> None:
+        self.config = config
+        self._log_dir = log_dir
+        self._ctx: PContext | None = None
+        self._rank_offset = 0
+
+    def start(self, assignment: Assignment, extra_env: Mapping[str, str]) -> dict[int, int]:
+        cfg = self.config
+        if cfg.no_python:
+            entrypoint: str = cfg.training_script
+            prefix: tuple[str, ...] = ()
+        else:
+            entrypoint = sys.executable
+            prefix = ("-u", "-m") if cfg.module else ("-u",)
+        args = {
+            lr: (*prefix, cfg.training_script, *cfg.training_script_args)
+            for lr in range(cfg.nproc_per_node)
+        }
+        envs = {
+            lr: worker_env(cfg, assignment, local_rank=lr, extra=extra_env)
+            for lr in range(cfg.nproc_per_node)
+        }
+        ranks_filter = (
+            {int(x) for x in cfg.local_ranks_filter.split(",") if x.strip()}
+            if cfg.local_ranks_filter
+            else None
+        )
+        run_log_dir = None
+        if self._log_dir:
+            run_log_dir = os.path.join(self._log_dir, f"round{assignment.round}")
+            os.makedirs(run_log_dir, exist_ok=True)
+        logs = DefaultLogsSpecs(
+            log_dir=run_log_dir or None,
+            redirects=_std(cfg.redirects),
+            tee=_std(cfg.tee),
+            local_ranks_filter=ranks_filter,
+        )
+        self._rank_offset = assignment.rank_offset
+        prefixes = {lr: f"[rank{assignment.rank_offset + lr}]:" for lr in range(cfg.nproc_per_node)}
+        self._ctx = start_processes(
+            name=f"dlrover-hpc-{cfg.role}",
+            entrypoint=entrypoint,
+            args=args,
+            envs=envs,
+            logs_specs=logs,
+            log_line_prefixes=prefixes,
+            start_method=cfg.start_method,
+        )
+        pids = dict(self._ctx.pids())
+        log.info("workers started round=%d node_rank=%d pids=%s", assignment.round,
+                 assignment.node_rank, list(pids.values()))  # fmt: skip
+        return pids
+
+    def poll(self) -> RunProcsResult | None:
+        """None while running; the result once all exited or any failed (others stopped)."""
+        assert self._ctx is not None
+        return self._ctx.wait(timeout=0, period=0)
+
+    def failures(self, result: RunProcsResult) -> list[WorkerFailure]:
+        out = []
+        for local_rank, f in sorted(result.failures.items(), key=lambda kv: kv[1].timestamp):
+            sig = f.signal_name() if f.exitcode is not None and f.exitcode < 0 else None
+            tail = ""
+            stderr = result.stderrs.get(local_rank) if result.stderrs else None
+            if stderr and os.path.exists(stderr):
+                with open(stderr, "rb") as fh:
+                    fh.seek(max(0, os.path.getsize(stderr) - 8192))
+                    tail = fh.read().decode(errors="replace")
+            out.append(WorkerFailure(
+                local_rank=local_rank, rank=self._rank_offset + local_rank,
+                exit_code=f.exitcode, signal=sig, message=str(f.message)[:2000],
+                error_file=f.error_file or "", log_tail=tail,
+            ))  # fmt: skip
+        return out
+
+    def stop(self) -> None:
+        if self._ctx is not None:
+            self._ctx.close(death_sig=signal.SIGTERM, timeout=int(self.config.shutdown_timeout_s))
+            self._ctx = None
+
+    @property
+    def running(self) -> bool:
+        return self._ctx is not None

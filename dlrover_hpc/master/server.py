@@ -1,0 +1,279 @@
+"""The job master's asyncio TCP server: accept, authenticate, dispatch, push."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from dlrover_hpc.config import MasterConfig
+from dlrover_hpc.errors import ConfigError, ProtocolError
+from dlrover_hpc.master.job import Job
+from dlrover_hpc.master.journal import EventLog, Journal, make_job_dir
+from dlrover_hpc.protocol import messages as m
+from dlrover_hpc.protocol import wire
+
+log = logging.getLogger(__name__)
+
+AUTH_TIMEOUT_S = 10.0
+TOKEN_ENV = "DLROVER_HPC_TOKEN"
+
+
+class TorchStores:
+    """A fresh torch TCPStore per round, so restarted workers never meet a previous round's keys
+    or ports (torchrun's gloo restarts fail exactly there)."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self._stores: list[Any] = []
+        self._keep = keep
+
+    def new_store(self, round: int) -> int:
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        store = TCPStore(
+            "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
+        )
+        self._stores.append(store)
+        del self._stores[: -self._keep]
+        return int(store.port)
+
+
+def resolve_token(job_dir: Path, *, create: bool) -> str:
+    """``$DLROVER_HPC_TOKEN``, else the job directory's ``token`` file (made if ``create``)."""
+    token = os.environ.get(TOKEN_ENV, "")
+    if token:
+        return token
+    path = job_dir / "token"
+    with contextlib.suppress(FileNotFoundError):
+        return path.read_text().strip()
+    if not create:
+        raise ConfigError(
+            f"no job token: set {TOKEN_ENV} (the sbatch templates do) or start the master first "
+            f"so it writes {path}"
+        )
+    token = secrets.token_hex(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return token
+
+
+class MasterServer:
+    def __init__(self, config: MasterConfig, *, token: str, job_dir: Path, stores: Any = None):
+        self.config = config
+        self._token = token
+        self.job_dir = job_dir
+        self.events = EventLog(job_dir / "events.jsonl")
+        topology = None
+        if config.topology:
+            from dlrover_hpc import topology as topo
+
+            topology = topo.load(config.topology)
+        self.advertised_host = socket.gethostname().split(".")[0]
+        self.job = Job(
+            config,
+            stores=stores or TorchStores(),
+            store_host=self.advertised_host,
+            push=self.push,
+            topology=topology,
+            events=self.events,
+            journal=Journal(job_dir / "journal.jsonl"),
+        )
+        self._writers: dict[str, asyncio.StreamWriter] = {}
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.port = 0
+        self._handlers: dict[type[m.Message], Callable[[Any], Any]] = {
+            m.Join: self.job.join,
+            m.WaitRound: self.job.wait_round,
+            m.Heartbeat: self.job.heartbeat,
+            m.WorkersStarted: self.job.workers_started,
+            m.WorkerFailed: self.job.worker_failed,
+            m.WorkersSucceeded: self.job.workers_succeeded,
+            m.CheckpointPart: self.job.checkpoint_part,
+            m.StatusRequest: lambda _msg: self.job.status(),
+            m.Event: self._event,
+        }
+
+    def _event(self, msg: m.Event) -> m.Ack:
+        self.events.emit(msg.event, **msg.fields)
+        return m.Ack()
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(
+            self._connection, self.config.host, self.config.port, limit=wire.MAX_FRAME, backlog=4096
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        info = {"host": self.advertised_host, "port": self.port, "pid": os.getpid(),
+                "job_id": self.config.job_id}  # fmt: skip
+        tmp = self.job_dir / "master.json.tmp"
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, self.job_dir / "master.json")
+        log.info("master listening host=%s port=%d job_dir=%s", self.advertised_host, self.port,
+                 self.job_dir)  # fmt: skip
+        return self.port
+
+    def push(self, agent_id: str, message: m.Message) -> None:
+        writer = self._writers.get(agent_id)
+        if writer is not None and not writer.is_closing():
+            wire.write_frame(writer, m.to_frame(message))
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        agent_ids: set[str] = set()
+        try:
+            if not await self._authenticate(reader, writer, peer):
+                return
+            while True:
+                try:
+                    frame = await wire.read_frame(reader)
+                except EOFError:
+                    return
+                task = asyncio.create_task(self._request(frame, writer, agent_ids))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        except (ProtocolError, ConnectionError) as exc:
+            log.warning("connection dropped peer=%s error=%s", peer, exc)
+        finally:
+            for agent_id in agent_ids:
+                if self._writers.get(agent_id) is writer:
+                    del self._writers[agent_id]
+                    self.job.disconnected(agent_id)
+            writer.close()
+
+    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                            peer: Any) -> bool:  # fmt: skip
+        nonce = wire.new_nonce()
+        wire.write_frame(writer, wire.Frame(type="challenge", body={"nonce": nonce}))
+        try:
+            await writer.drain()
+            answer = await asyncio.wait_for(wire.read_frame(reader), AUTH_TIMEOUT_S)
+        except (TimeoutError, EOFError, ProtocolError, ConnectionError) as exc:
+            log.warning("connection refused peer=%s reason=no valid auth answer (%s)", peer, exc)
+            return False
+        if answer.type != "auth" or not wire.check_digest(
+            self._token, nonce, answer.body.get("digest")
+        ):
+            log.warning("connection refused peer=%s reason=bad job token", peer)
+            wire.write_frame(
+                writer, wire.Frame(type="auth_failed", body={"error": "bad job token"})
+            )
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+            return False
+        wire.write_frame(writer, wire.Frame(type="auth_ok"))
+        await writer.drain()
+        return True
+
+    async def _request(self, frame: wire.Frame, writer: asyncio.StreamWriter,
+                       agent_ids: set[str]) -> None:  # fmt: skip
+        try:
+            msg = m.from_frame(frame)
+            handler = self._handlers.get(type(msg))
+            if handler is None:
+                raise ProtocolError(f"{frame.type!r} is not a request the master serves")
+            result = handler(msg)
+            if isinstance(result, Awaitable):
+                result = await result
+            if isinstance(msg, m.Join):
+                agent_ids.add(result.agent_id)
+                self._writers[result.agent_id] = writer
+            elif (agent_id := getattr(msg, "agent_id", None)) and agent_id not in agent_ids:
+                agent_ids.add(agent_id)  # a re-connected agent
+                self._writers[agent_id] = writer
+            reply: m.Message = result
+        except asyncio.CancelledError:
+            reply = m.ErrorReply(message="request superseded")
+        except (ProtocolError, KeyError, ValueError) as exc:
+            reply = m.ErrorReply(message=str(exc))
+        except Exception as exc:  # request boundary: answer, log once, keep serving
+            log.exception("request failed type=%s", frame.type)
+            reply = m.ErrorReply(message=f"internal error: {exc}")
+        if not writer.is_closing():
+            wire.write_frame(writer, m.to_frame(reply, frame_id=frame.id))
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+
+    async def _liveness(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            self.job.poke()
+
+    async def serve(self, linger_s: float = 10.0) -> int:
+        """Run until the job finishes, give agents ``linger_s`` to hear it, return the exit code."""
+        if self._server is None:
+            await self.start()
+        live = asyncio.create_task(self._liveness())
+        try:
+            await self.job.run()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + linger_s
+            while self._writers and loop.time() < deadline:
+                await asyncio.sleep(0.1)
+        finally:
+            live.cancel()
+            await self.close()
+        return self.job.exit_code or 0
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for writer in list(self._writers.values()):
+                writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5)
+        for task in list(self._tasks):
+            task.cancel()
+
+
+def run_master(config: MasterConfig) -> int:
+    job_dir = make_job_dir(config.job_dir)
+    token = resolve_token(job_dir, create=True)
+    server = MasterServer(config, token=token, job_dir=job_dir)
+    return asyncio.run(server.serve())
+
+
+class MasterThread:
+    """An in-process master (``dlrover-run --standalone``) on its own event loop thread."""
+
+    def __init__(self, config: MasterConfig, *, token: str, job_dir: Path) -> None:
+        self._loop = asyncio.new_event_loop()
+        self.server = MasterServer(config, token=token, job_dir=job_dir)
+        self._ready = threading.Event()
+        self.exit_code: int | None = None
+        self._thread = threading.Thread(target=self._main, name="dlrover-hpc-master", daemon=True)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def body() -> int:
+            await self.server.start()
+            self._ready.set()
+            return await self.server.serve(linger_s=2.0)
+
+        try:
+            self.exit_code = self._loop.run_until_complete(body())
+        except Exception:  # thread boundary
+            log.exception("in-process master failed")
+            self.exit_code = 1
+        finally:
+            self._ready.set()
+            self._loop.close()
+
+    def start(self) -> int:
+        self._thread.start()
+        self._ready.wait(30)
+        return self.server.port
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)

@@ -1,0 +1,92 @@
+"""An authenticated, multiplexed connection to the job master (used by agents and tools)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from typing import TypeVar
+
+from dlrover_hpc.errors import ProtocolError
+from dlrover_hpc.protocol import messages as m
+from dlrover_hpc.protocol import wire
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=m.Message)
+
+
+class MasterClient:
+    """Requests carry an id and a timeout; pushes from the master land in :attr:`pushes`."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader, self._writer = reader, writer
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[m.Message]] = {}
+        self.pushes: asyncio.Queue[m.Message] = asyncio.Queue()
+        self.closed = asyncio.Event()
+        self._reader_task = asyncio.create_task(self._read_loop())
+
+    @classmethod
+    async def connect(
+        cls, host: str, port: int, *, token: str, timeout_s: float = 10.0
+    ) -> MasterClient:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, limit=wire.MAX_FRAME), timeout_s
+        )
+        try:
+            await wire.client_handshake(reader, writer, token, timeout_s)
+        except BaseException:
+            writer.close()
+            raise
+        return cls(reader, writer)
+
+    async def _read_loop(self) -> None:
+        error: BaseException = ConnectionError("connection to the master closed")
+        try:
+            while True:
+                frame = await wire.read_frame(self._reader)
+                message = m.from_frame(frame)
+                if frame.id is None:
+                    self.pushes.put_nowait(message)
+                    continue
+                fut = self._pending.pop(frame.id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(message)
+        except (EOFError, ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except ProtocolError as exc:
+            log.error("bad frame from the master error=%s", exc)
+            error = exc
+        finally:
+            self.closed.set()
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(ConnectionError(str(error)))
+            self._pending.clear()
+
+    async def request(self, message: m.Message, reply_type: type[M], *, timeout_s: float) -> M:
+        if self.closed.is_set():
+            raise ConnectionError("connection to the master closed")
+        frame_id = next(self._ids)
+        fut: asyncio.Future[m.Message] = asyncio.get_running_loop().create_future()
+        self._pending[frame_id] = fut
+        wire.write_frame(self._writer, m.to_frame(message, frame_id=frame_id))
+        await self._writer.drain()
+        try:
+            reply = await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"the master did not answer {message.TYPE!r} within {timeout_s:.0f} s"
+            ) from None
+        finally:
+            self._pending.pop(frame_id, None)
+        return m.expect(reply, reply_type)
+
+    async def close(self) -> None:
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()
+        self._reader_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._reader_task

@@ -1,0 +1,246 @@
+"""One dataclass per message kind on the master's wire, and the registry that types them."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from enum import Enum
+from typing import Any, ClassVar, TypeVar
+
+from dlrover_hpc.errors import ProtocolError
+from dlrover_hpc.protocol.wire import Frame
+
+
+class NodeStatus(Enum):
+    """What the master tells an agent about its place in the job."""
+
+    ACTIVE = "active"  # in the current round: start workers
+    SPARE = "spare"  # hot spare: keep waiting
+    FINISHED = "finished"  # the job is over: exit with exit_code
+    EXCLUDED = "excluded"  # quarantined or drained: exit
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+
+
+# --------------------------------------------------------------- agent -> master
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Join(Message):
+    TYPE: ClassVar[str] = "join"
+    node: str
+    addr: str
+    nproc: int
+    slurm_node_id: int | None = None
+    topology_addr: str | None = None
+    agent_id: str | None = None  # set when an agent re-joins a restarted master
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class JoinReply(Message):
+    TYPE: ClassVar[str] = "join_reply"
+    agent_id: str
+    job_id: str
+    heartbeat_interval_s: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class WaitRound(Message):
+    """Long poll: answered once this agent is in a round newer than ``after_round``."""
+
+    TYPE: ClassVar[str] = "wait_round"
+    agent_id: str
+    after_round: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Assignment(Message):
+    TYPE: ClassVar[str] = "assignment"
+    status: str  # NodeStatus value
+    round: int = 0
+    node_rank: int = -1
+    nnodes: int = 0
+    world_size: int = 0
+    rank_offset: int = 0  # global rank of this node's local rank 0
+    store_host: str = ""
+    store_port: int = 0
+    restart_count: int = 0
+    max_restarts: int = 0
+    run_id: str = ""
+    nodes: list[str] = dataclasses.field(default_factory=list)
+    exit_code: int = 0
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat(Message):
+    TYPE: ClassVar[str] = "heartbeat"
+    agent_id: str
+    round: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class HeartbeatReply(Message):
+    TYPE: ClassVar[str] = "heartbeat_reply"
+    round: int  # the newest round; newer than the agent's means: stop workers, re-rendezvous
+    finished: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class WorkersStarted(Message):
+    TYPE: ClassVar[str] = "workers_started"
+    agent_id: str
+    round: int
+    pids: list[int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerFailed(Message):
+    TYPE: ClassVar[str] = "worker_failed"
+    agent_id: str
+    round: int
+    local_rank: int
+    rank: int
+    exit_code: int | None
+    signal: str | None
+    classification: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class WorkersSucceeded(Message):
+    TYPE: ClassVar[str] = "workers_succeeded"
+    agent_id: str
+    round: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Ack(Message):
+    TYPE: ClassVar[str] = "ack"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StatusRequest(Message):
+    TYPE: ClassVar[str] = "status"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StatusReply(Message):
+    TYPE: ClassVar[str] = "status_reply"
+    job_id: str
+    state: str
+    round: int
+    restart_count: int
+    max_restarts: int
+    nodes: list[dict[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointPart(Message):
+    """A node's saver made its ranks' part of ``step`` durable."""
+
+    TYPE: ClassVar[str] = "checkpoint_part"
+    step: int
+    ranks: list[int]
+    world_size: int
+    path: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointCommit(Message):
+    TYPE: ClassVar[str] = "checkpoint_commit"
+    commit: bool  # True for exactly the caller that completed the set: it writes the tracker
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Event(Message):
+    """An agent's or worker's event for the job's events.jsonl (the master is its one writer)."""
+
+    TYPE: ClassVar[str] = "event"
+    event: str
+    fields: dict[str, Any]
+
+
+# --------------------------------------------------------------- master -> agent
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RoundChanged(Message):
+    """Push: a new rendezvous round opened; active agents stop their workers and re-join."""
+
+    TYPE: ClassVar[str] = "round_changed"
+    round: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ErrorReply(Message):
+    TYPE: ClassVar[str] = "error"
+    message: str
+
+
+REGISTRY: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Join, JoinReply, WaitRound, Assignment, Heartbeat, HeartbeatReply, WorkersStarted,
+        WorkerFailed, WorkersSucceeded, Ack, StatusRequest, StatusReply, CheckpointPart,
+        CheckpointCommit, Event, RoundChanged, ErrorReply,
+    )
+}  # fmt: skip
+
+M = TypeVar("M", bound=Message)
+
+
+def to_frame(message: Message, *, frame_id: int | None = None) -> Frame:
+    return Frame(type=message.TYPE, id=frame_id, body=dataclasses.asdict(message))
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    return isinstance(value, hint)
+
+
+_HINTS: dict[type[Message], dict[str, Any]] = {}
+
+
+def from_frame(frame: Frame) -> Message:
+    """The typed message of ``frame``; ProtocolError for unknown types or bad fields."""
+    cls = REGISTRY.get(frame.type)
+    if cls is None:
+        raise ProtocolError(f"unknown message type {frame.type!r}")
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = {k: v for k, v in typing.get_type_hints(cls).items() if k != "TYPE"}
+    unknown = set(frame.body) - set(hints)
+    if unknown:
+        raise ProtocolError(f"{frame.type}: unknown fields {sorted(unknown)}")
+    for name, value in frame.body.items():
+        if not _matches(value, hints[name]):
+            raise ProtocolError(f"{frame.type}.{name}: {value!r} does not match {hints[name]}")
+    try:
+        return cls(**frame.body)
+    except TypeError as exc:
+        raise ProtocolError(f"{frame.type}: {exc}") from None
+
+
+def expect(message: Message, cls: type[M]) -> M:
+    if isinstance(message, ErrorReply):
+        raise ProtocolError(f"the master answered with an error: {message.message}")
+    if not isinstance(message, cls):
+        raise ProtocolError(f"expected {cls.TYPE!r}, got {message.TYPE!r}")
+    return message

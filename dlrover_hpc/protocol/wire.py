@@ -1,0 +1,116 @@
+"""Framing and authentication on the master's TCP connections.
+
+A frame is a 4-byte big-endian length followed by a UTF-8 JSON object
+``{"v": VERSION, "type": ..., "id": ..., "body": {...}}``.  Never pickle.  ``id`` pairs a reply
+with its request; server pushes carry ``id: null``.
+
+Authentication (both sides hold the job token ``DLROVER_HPC_TOKEN``): the server sends
+``challenge`` with a random nonce; the client answers ``auth`` with
+``HMAC-SHA256(token, "dlrover-hpc/v1" + nonce)``; the server answers ``auth_ok`` or closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import hmac
+import json
+import secrets
+import struct
+from typing import Any
+
+from dlrover_hpc.errors import AuthError, ProtocolError
+
+VERSION = 1
+MAX_FRAME = 16 * 1024 * 1024
+_HEADER = struct.Struct(">I")
+_AUTH_CONTEXT = b"dlrover-hpc/v1"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Frame:
+    type: str
+    id: int | None = None
+    body: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def encode(frame: Frame) -> bytes:
+    payload = json.dumps(
+        {"v": VERSION, "type": frame.type, "id": frame.id, "body": frame.body},
+        separators=(",", ":"),
+    ).encode()
+    if len(payload) > MAX_FRAME:
+        raise ProtocolError(f"frame of {len(payload)} bytes exceeds the {MAX_FRAME} byte limit")
+    return _HEADER.pack(len(payload)) + payload
+
+
+def decode(payload: bytes) -> Frame:
+    try:
+        obj = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"frame is not JSON: {exc}") from None
+    if not isinstance(obj, dict) or obj.get("v") != VERSION:
+        version = obj.get("v") if isinstance(obj, dict) else None
+        raise ProtocolError(f"unsupported protocol version {version!r}; this side speaks {VERSION}")
+    kind, fid, body = obj.get("type"), obj.get("id"), obj.get("body", {})
+    if not isinstance(kind, str) or not isinstance(body, dict):
+        raise ProtocolError("frame lacks a string 'type' or an object 'body'")
+    if fid is not None and not isinstance(fid, int):
+        raise ProtocolError(f"frame id must be an integer, got {fid!r}")
+    return Frame(type=kind, id=fid, body=body)
+
+
+async def read_frame(reader: asyncio.StreamReader) -> Frame:
+    try:
+        header = await reader.readexactly(_HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            raise EOFError("connection closed") from None
+        raise ProtocolError("connection closed inside a frame header") from None
+    (length,) = _HEADER.unpack(header)
+    if length > MAX_FRAME:
+        raise ProtocolError(f"peer announced a {length} byte frame (limit {MAX_FRAME})")
+    try:
+        payload = await reader.readexactly(length)
+    except asyncio.IncompleteReadError:
+        raise ProtocolError("connection closed inside a frame") from None
+    return decode(payload)
+
+
+def write_frame(writer: asyncio.StreamWriter, frame: Frame) -> None:
+    writer.write(encode(frame))
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(16)
+
+
+def auth_digest(token: str, nonce: str) -> str:
+    return hmac.new(token.encode(), _AUTH_CONTEXT + nonce.encode(), hashlib.sha256).hexdigest()
+
+
+def check_digest(token: str, nonce: str, digest: object) -> bool:
+    return isinstance(digest, str) and hmac.compare_digest(auth_digest(token, nonce), digest)
+
+
+async def client_handshake(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, token: str, timeout_s: float
+) -> None:
+    """Answer the server's challenge; raises AuthError if the server refuses the token."""
+    challenge = await asyncio.wait_for(read_frame(reader), timeout_s)
+    if challenge.type != "challenge" or not isinstance(challenge.body.get("nonce"), str):
+        raise ProtocolError(f"expected a challenge from the master, got {challenge.type!r}")
+    write_frame(
+        writer, Frame(type="auth", body={"digest": auth_digest(token, challenge.body["nonce"])})
+    )
+    await writer.drain()
+    try:
+        answer = await asyncio.wait_for(read_frame(reader), timeout_s)
+    except EOFError:
+        raise AuthError("the master closed the connection: the job token was refused") from None
+    if answer.type != "auth_ok":
+        raise AuthError(
+            f"the master refused the job token ({answer.body.get('error', answer.type)}); "
+            "check DLROVER_HPC_TOKEN matches the master's"
+        )

@@ -1,0 +1,50 @@
+"""Node ranks: topology order when the master has a topology, else Slurm's node order."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+from dlrover_hpc import topology as topo
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RankInput:
+    agent_id: str
+    node: str
+    slurm_node_id: int | None = None
+    topology_addr: str | None = None
+
+
+def rank_nodes(nodes: Sequence[RankInput], topology: topo.Topology | None) -> list[RankInput]:
+    """Order ``nodes`` for node ranks 0..n-1.
+
+    1. a topology file: nodes under one leaf switch get adjacent ranks (missing nodes last);
+    2. else every node reported ``SLURM_TOPOLOGY_ADDR``: the same rule on Slurm's own tree;
+    3. else Slurm's node order (``SLURM_NODEID``), then natural name order.
+    """
+    by_name: dict[str, list[RankInput]] = {}
+    for n in nodes:
+        by_name.setdefault(n.node, []).append(n)
+    names = list(by_name)
+    if topology is None and names and all(n.topology_addr for n in nodes):
+        topology = topo.topology_from_addrs({n.node: n.topology_addr for n in nodes})  # type: ignore[misc]
+    if topology is not None:
+        ordered, missing = topo.order_nodes(topology, names)
+        if missing:
+            log.warning("nodes missing from the topology go last nodes=%s", ",".join(missing))
+    else:
+        first = {n.node: n.slurm_node_id for n in nodes}
+        ordered = sorted(
+            names,
+            key=lambda name: (
+                first[name] is None,
+                first[name] if first[name] is not None else 0,
+                topo.natural_key(name),
+            ),
+        )
+    # Several agents on one host (tests, bare metal): keep them together, by agent id.
+    return [r for name in ordered for r in sorted(by_name[name], key=lambda r: r.agent_id)]

@@ -1,0 +1,93 @@
+"""The rendezvous decision, as a pure function of who waits and what time it is.
+
+The master calls :func:`decide` whenever the waiting set changes or a timer fires, and applies
+the returned :class:`Decision` itself (the I/O lives in ``dlrover_hpc.master``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from enum import Enum
+
+from dlrover_hpc.errors import ConfigError
+
+
+class DecisionKind(Enum):
+    WAIT = "wait"  # not enough nodes yet, or inside the last call
+    COMPLETE = "complete"  # start the round with ``chosen``
+    TIMEOUT = "timeout"  # fewer than MIN nodes for longer than the rendezvous timeout
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RdzvParams:
+    min_nodes: int
+    max_nodes: int
+    node_unit: int = 1
+    last_call_s: float = 3.0
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ConfigError(
+                f"rendezvous needs 1 <= MIN <= MAX, got {self.min_nodes}:{self.max_nodes}"
+            )
+        if self.node_unit < 1:
+            raise ConfigError(f"node unit must be at least 1, got {self.node_unit}")
+        if self.max_nodes // self.node_unit * self.node_unit < self.min_nodes:
+            raise ConfigError(
+                f"no multiple of node unit {self.node_unit} lies in {self.min_nodes}:{self.max_nodes}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Waiter:
+    agent_id: str
+    joined_at: float
+    was_active: bool = False  # in the previous round: kept in preference to spares
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Decision:
+    kind: DecisionKind
+    chosen: tuple[str, ...] = ()
+    wake_at: float | None = None  # call decide() again at this time (monotonic seconds)
+
+
+def usable_count(params: RdzvParams, waiting: int) -> int:
+    """How many of ``waiting`` nodes a round can take: at most MAX, a multiple of the unit."""
+    n = min(waiting, params.max_nodes)
+    return n // params.node_unit * params.node_unit
+
+
+def decide(
+    *,
+    params: RdzvParams,
+    waiting: Sequence[Waiter],
+    alive: int,
+    opened_at: float,
+    now: float,
+) -> Decision:
+    """Decide a rendezvous round.
+
+    ``alive`` counts every agent that may still join (waiting ones included); when all of them
+    wait there is nobody left to wait for, so a round of at least MIN completes at once.
+    Otherwise a round completes at once with MAX nodes, or after the last call (``last_call_s``
+    after the newest join) with at least MIN.
+    """
+    count = usable_count(params, len(waiting))
+    if count >= params.min_nodes:
+        newest = max(w.joined_at for w in waiting)
+        deadline = newest + params.last_call_s
+        if len(waiting) >= params.max_nodes or len(waiting) >= alive or now >= deadline:
+            return Decision(kind=DecisionKind.COMPLETE, chosen=_choose(waiting, count))
+        return Decision(kind=DecisionKind.WAIT, wake_at=deadline)
+    if now - opened_at >= params.timeout_s:
+        return Decision(kind=DecisionKind.TIMEOUT)
+    return Decision(kind=DecisionKind.WAIT, wake_at=opened_at + params.timeout_s)
+
+
+def _choose(waiting: Sequence[Waiter], count: int) -> tuple[str, ...]:
+    """Previous participants first (keeps spares spare), then in join order."""
+    ranked = sorted(waiting, key=lambda w: (not w.was_active, w.joined_at, w.agent_id))
+    return tuple(w.agent_id for w in ranked[:count])

@@ -1,0 +1,80 @@
+"""A small DDP training script that runs unchanged under torchrun and dlrover-run.
+
+gloo on CPU, NCCL on GPU.  It saves a checkpoint every --ckpt-every steps to --ckpt-dir and
+resumes from it after a restart, so a killed worker costs at most that many steps.  With
+--fail-at-step N and --fail-rank R it kills itself once (SIGKILL) to demonstrate recovery.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (shared by all ranks)")
+    p.add_argument("--ckpt-every", type=int, default=5)
+    p.add_argument("--fail-at-step", type=int, default=-1, help="SIGKILL self at this step once")
+    p.add_argument("--fail-rank", type=int, default=-1)
+    p.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step")
+    p.add_argument("--result", default=None, help="rank 0 writes a JSON summary here")
+    args = p.parse_args()
+
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else None
+    if device is not None:
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).to(device or "cpu")
+    ddp = DDP(model, device_ids=[device] if device is not None else None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+
+    start = 0
+    ckpt_path = os.path.join(args.ckpt_dir, "model.pt") if args.ckpt_dir else None
+    if ckpt_path and os.path.exists(ckpt_path):
+        state = torch.load(ckpt_path, map_location=device or "cpu")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = state["step"]
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    marker = os.path.join(args.ckpt_dir or ".", f".failed-once-{args.fail_rank}")
+    for step in range(start, args.steps):
+        x = torch.randn(8, 16, device=device)
+        loss = ddp(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(args.step_time)
+        done = step + 1
+        if done == args.fail_at_step and rank == args.fail_rank and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if ckpt_path and rank == 0 and done % args.ckpt_every == 0:
+            tmp = ckpt_path + ".tmp"
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                        "step": done}, tmp)  # fmt: skip
+            os.replace(tmp, ckpt_path)
+        if rank == 0:
+            print(f"step {done} loss {loss.item():.4f} world {world} restart {restart}", flush=True)
+    if rank == 0 and args.result:
+        with open(args.result, "w") as f:
+            json.dump({"final_step": args.steps, "world_size": world, "restart_count": restart,
+                       "group_world_size": int(os.environ.get("GROUP_WORLD_SIZE", 1))}, f)  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
