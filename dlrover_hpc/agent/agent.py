@@ -135,7 +135,7 @@ class Agent:
             "DLROVER_HPC_JOB_ID": a.run_id,
             **self._extra_env,
         }
-        pids = await asyncio.to_thread(self.workers.start, a, env)
+        pids = self.workers.start(a, env)  # main thread: torch registers signal handlers
         await self.client.request(
             m.WorkersStarted(agent_id=self.agent_id, round=a.round, pids=list(pids.values())),
             m.Ack, timeout_s=30,

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dlrover_hpc.cli import commands, local_slurm
 from dlrover_hpc.cli.logsetup import setup_logging
 from dlrover_hpc.errors import DlroverHpcError, UsageError
+from dlrover_hpc.topology import cli as topology_cli
 
 log = logging.getLogger(__name__)
 
@@ -24,12 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.register_master(sub)
-    try:
-        from dlrover_hpc.topology import cli as topology_cli
-    except ImportError:  # pragma: no cover - the topology package is always shipped
-        pass
-    else:
-        topology_cli.register(sub)
+    topology_cli.register(sub)
     commands.register_drain(sub)
     commands.register_launch(sub)
     commands.register_status(sub)

@@ -171,7 +171,9 @@ class Job:
         if rec.state is NodeState.ACTIVE and rec.round > msg.after_round:
             fut.set_result(self._assignment(rec))
             return fut
-        if rec.state in (NodeState.ACTIVE, NodeState.DONE, NodeState.LOST):
+        if rec.state is NodeState.DONE and self.state is JobState.RUNNING:
+            pass  # finished its part: waits for the job's end (or a new round, see open_round)
+        elif rec.state in (NodeState.ACTIVE, NodeState.DONE, NodeState.LOST):
             rec.state = NodeState.WAITING  # it stopped its workers and re-joins
             rec.joined_at = self._clock()
         if rec.waiter is not None and not rec.waiter.done():
@@ -299,6 +301,8 @@ class Job:
         for rec in self.nodes.values():
             if rec.state is NodeState.ACTIVE:
                 self._push(rec.agent_id, m.RoundChanged(round=next_round, reason=reason))
+            elif rec.state is NodeState.DONE:  # its workers ended, others did not: train again
+                rec.state, rec.joined_at = NodeState.WAITING, self._opened_at
         self.poke()
 
     def finish(self, exit_code: int, reason: str) -> None:
@@ -336,7 +340,7 @@ class Job:
             params=self.params,
             waiting=[Waiter(agent_id=n.agent_id, joined_at=n.joined_at,
                             was_active=n.round == self.round and n.rank >= 0) for n in waiting],
-            alive=len(alive), opened_at=self._opened_at, now=now,
+            alive=len(alive), initial=self.round == 0, opened_at=self._opened_at, now=now,
         )  # fmt: skip
         if decision.kind is DecisionKind.COMPLETE:
             self._complete([self.nodes[a] for a in decision.chosen])

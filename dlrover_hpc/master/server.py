@@ -50,10 +50,12 @@ class TorchStores:
 
 def resolve_token(job_dir: Path, *, create: bool) -> str:
     """``$DLROVER_HPC_TOKEN``, else the job directory's ``token`` file (made if ``create``)."""
+    path = job_dir / "token"
     token = os.environ.get(TOKEN_ENV, "")
     if token:
+        if create and not path.exists():  # lets `dlrover-hpc status` of the same user in
+            _write_private(path, token)  # (the job directory is mode 0700)
         return token
-    path = job_dir / "token"
     with contextlib.suppress(FileNotFoundError):
         return path.read_text().strip()
     if not create:
@@ -62,10 +64,16 @@ def resolve_token(job_dir: Path, *, create: bool) -> str:
             f"so it writes {path}"
         )
     token = secrets.token_hex(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
+    _write_private(path, token)
     return token
+
+
+def _write_private(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 class MasterServer:

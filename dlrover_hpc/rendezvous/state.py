@@ -65,21 +65,24 @@ def decide(
     params: RdzvParams,
     waiting: Sequence[Waiter],
     alive: int,
+    initial: bool = False,
     opened_at: float,
     now: float,
 ) -> Decision:
     """Decide a rendezvous round.
 
-    ``alive`` counts every agent that may still join (waiting ones included); when all of them
-    wait there is nobody left to wait for, so a round of at least MIN completes at once.
-    Otherwise a round completes at once with MAX nodes, or after the last call (``last_call_s``
-    after the newest join) with at least MIN.
+    A round completes at once with MAX nodes, or after the last call (``last_call_s`` after
+    the newest join) with at least MIN.  In a re-rendezvous (``initial`` False) ``alive`` counts
+    every agent that may still join (waiting ones included); when all of them wait there is
+    nobody left to wait for, so a round of at least MIN completes at once: recovery does not pay
+    the last call.
     """
     count = usable_count(params, len(waiting))
     if count >= params.min_nodes:
         newest = max(w.joined_at for w in waiting)
         deadline = newest + params.last_call_s
-        if len(waiting) >= params.max_nodes or len(waiting) >= alive or now >= deadline:
+        everyone = not initial and len(waiting) >= alive
+        if len(waiting) >= params.max_nodes or everyone or now >= deadline:
             return Decision(kind=DecisionKind.COMPLETE, chosen=_choose(waiting, count))
         return Decision(kind=DecisionKind.WAIT, wake_at=deadline)
     if now - opened_at >= params.timeout_s:

@@ -255,13 +255,10 @@ PartitionName=debug Nodes={hostlist} Default=YES MaxTime=INFINITE State=UP
 
     def _topology_text(self) -> str:
         if self.config.topology is not None:
-            from dlrover_hpc import topology  # the topology package; converts switch lists
+            from dlrover_hpc import topology  # converts a switch list to topology.conf
 
-            try:
-                text = topology.to_slurm_conf(topology.load(self.config.topology))
-            except AttributeError:  # pragma: no cover - older topology package
-                text = self.config.topology.read_text()
-            return f"{_MARK}\n{text}"
+            parsed = topology.load(self.config.topology)
+            return topology.render(parsed, topology.TopologyFormat.SLURM, header=_MARK.lstrip("# "))
         # Default: two leaves of half the nodes each under one spine.
         names = self.config.node_names()
         half = max(1, len(names) // 2)
