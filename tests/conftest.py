@@ -33,9 +33,11 @@ def local_slurm() -> Iterator[LocalSlurm]:
         cluster.down()
         # `down` must leave no daemon, namespace or bridge of ours behind.
         left = [p for p in pids if Path(f"/proc/{p}").exists()]
-        netns = [n for n in os.listdir("/run/netns") if n.startswith("dlhpc-")] if Path(
-            "/run/netns"
-        ).exists() else []
+        netns = (
+            [n for n in os.listdir("/run/netns") if n.startswith("dlhpc-")]
+            if Path("/run/netns").exists()
+            else []
+        )
         assert not left and not netns and not Path("/sys/class/net/dlhpc-br0").exists(), (
             f"local-slurm down left behind: pids={left} netns={netns}"
         )

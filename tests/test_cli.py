@@ -50,17 +50,24 @@ def test_dlrover_hpc_help_lists_subcommands() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--nnodes=4:2", "t.py"], "--nnodes=4:2: the minimum is larger than the maximum; "
-         "write MIN:MAX with MIN <= MAX, e.g. --nnodes=2:4"),
+        (
+            ["--nnodes=4:2", "t.py"],
+            "--nnodes=4:2: the minimum is larger than the maximum; "
+            "write MIN:MAX with MIN <= MAX, e.g. --nnodes=2:4",
+        ),
         (["--nnodes=0", "t.py"], "--nnodes=0:0: the minimum must be at least 1"),
         (["--nnodes=a:b", "t.py"], "--nnodes=a:b: expected a node count N or a range MIN:MAX"),
         (["--nnodes=1:2:3", "t.py"], "expected a node count N or a range MIN:MAX"),
-        (["--standalone", "--master=h:1", "t.py"], "--standalone runs its own in-process "
-         "master; drop --master"),
+        (
+            ["--standalone", "--master=h:1", "t.py"],
+            "--standalone runs its own in-process master; drop --master",
+        ),
         (["--standalone", "--nnodes=2", "t.py"], "--standalone is for one node"),
         (["--exclude-straggler", "t.py"], "--exclude-straggler needs --network-check"),
-        (["--nnodes=2:4", "--node-unit=8", "t.py"], "--node-unit=8 is larger than --nnodes "
-         "maximum 4"),
+        (
+            ["--nnodes=2:4", "--node-unit=8", "t.py"],
+            "--node-unit=8 is larger than --nnodes maximum 4",
+        ),
         (["--nnodes=3:3", "--node-unit=2", "t.py"], "no multiple of 2 lies between 3 and 3"),
         (["--node-unit=0", "t.py"], "--node-unit=0: must be at least 1"),
         (["--max-restarts=-1", "t.py"], "--max-restarts=-1: must be 0 or more"),

@@ -23,8 +23,9 @@ def _sbatch_wait(script: Path, *args: str, timeout_s: float = 60) -> str:
 
     def done() -> dict[str, str] | None:
         fields = parse_oneliner(
-            subprocess.run(["scontrol", "-o", "show", "job", job],
-                           capture_output=True, text=True, timeout=10).stdout  # fmt: skip
+            subprocess.run(
+                ["scontrol", "-o", "show", "job", job], capture_output=True, text=True, timeout=10
+            ).stdout  # fmt: skip
         )
         return fields if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED") else None
 
@@ -52,8 +53,7 @@ def test_sbatch_job_sees_slurm_variables_on_every_node(
     seen = {}
     for node in ("node1", "node2", "node3", "node4"):
         env = dict(
-            line.split("=", 1)
-            for line in (shared_tmp / f"env-{node}.txt").read_text().splitlines()
+            line.split("=", 1) for line in (shared_tmp / f"env-{node}.txt").read_text().splitlines()
         )
         seen[node] = env
         assert env["SLURM_JOB_ID"] == job

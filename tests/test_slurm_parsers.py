@@ -145,7 +145,13 @@ def test_drain_refused_gives_admin_command() -> None:
         "scontrol update NodeName=node3 State=DRAIN 'Reason=dlrover-hpc: link down job 12'"
     )
     assert calls == [
-        ["scontrol", "update", "NodeName=node3", "State=DRAIN", "Reason=dlrover-hpc: link down job 12"]
+        [
+            "scontrol",
+            "update",
+            "NodeName=node3",
+            "State=DRAIN",
+            "Reason=dlrover-hpc: link down job 12",
+        ]
     ]
 
 
