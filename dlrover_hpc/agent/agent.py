@@ -177,7 +177,8 @@ class Agent:
                     return Outcome.FAILED, self.workers.failures(result)
                 return Outcome.SUCCEEDED, []
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._round_changed.wait(), interval)
+                async with asyncio.timeout(interval):
+                    await self._round_changed.wait()
 
     async def _stop_workers(self) -> None:
         if self.workers.running:

@@ -7,6 +7,7 @@ change of state is logged once, journaled, and written to events.jsonl.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -404,7 +405,7 @@ class Job:
             self._changed.clear()
             wake_at = self.step()
             timeout = 1.0 if wake_at is None else max(0.0, min(1.0, wake_at - self._clock()))
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout)
-            except TimeoutError:
-                pass
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._changed.wait()
