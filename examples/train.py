@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import time
 
 import torch
@@ -28,6 +29,7 @@ def main() -> None:
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step")
     p.add_argument("--result", default=None, help="rank 0 writes a JSON summary here")
+    p.add_argument("--rank-log", default=None, help="each rank writes its placement here")
     args = p.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -49,6 +51,18 @@ def main() -> None:
         opt.load_state_dict(state["optimizer"])
         start = state["step"]
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if args.rank_log:
+        os.makedirs(args.rank_log, exist_ok=True)
+        with open(os.path.join(args.rank_log, f"restart{restart}-rank{rank}.json"), "w") as f:
+            json.dump(
+                {
+                    "host": socket.gethostname(),
+                    "rank": rank,
+                    "world_size": world,
+                    "group_rank": int(os.environ.get("GROUP_RANK", 0)),
+                },
+                f,
+            )
     marker = os.path.join(args.ckpt_dir or ".", f".failed-once-{args.fail_rank}")
     for step in range(start, args.steps):
         x = torch.randn(8, 16, device=device)
@@ -63,15 +77,23 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if ckpt_path and rank == 0 and done % args.ckpt_every == 0:
             tmp = ckpt_path + ".tmp"
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                        "step": done}, tmp)  # fmt: skip
+            torch.save(
+                {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": done}, tmp
+            )
             os.replace(tmp, ckpt_path)
         if rank == 0:
             print(f"step {done} loss {loss.item():.4f} world {world} restart {restart}", flush=True)
     if rank == 0 and args.result:
         with open(args.result, "w") as f:
-            json.dump({"final_step": args.steps, "world_size": world, "restart_count": restart,
-                       "group_world_size": int(os.environ.get("GROUP_WORLD_SIZE", 1))}, f)  # fmt: skip
+            json.dump(
+                {
+                    "final_step": args.steps,
+                    "world_size": world,
+                    "restart_count": restart,
+                    "group_world_size": int(os.environ.get("GROUP_WORLD_SIZE", 1)),
+                },
+                f,
+            )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -10,22 +10,51 @@ import pytest
 from dlrover_hpc.cli import run_args
 
 TORCHRUN_FLAGS = [
-    "--nnodes", "--nproc-per-node", "--nproc_per_node", "--rdzv-backend", "--rdzv_backend",
-    "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--standalone", "--max-restarts",
-    "--max_restarts", "--monitor-interval", "--start-method", "--event-log-handler", "--role",
-    "--module", "--no-python", "--run-path", "--log-dir", "--redirects", "--tee",
-    "--local-ranks-filter", "--node-rank", "--master-addr", "--master-port", "--local-addr",
-    "--logs-specs", "--shutdown-timeout", "--signals-to-handle",
-]  # fmt: skip
+    "--nnodes",
+    "--nproc-per-node",
+    "--nproc_per_node",
+    "--rdzv-backend",
+    "--rdzv_backend",
+    "--rdzv-endpoint",
+    "--rdzv-id",
+    "--rdzv-conf",
+    "--standalone",
+    "--max-restarts",
+    "--max_restarts",
+    "--monitor-interval",
+    "--start-method",
+    "--event-log-handler",
+    "--role",
+    "--module",
+    "--no-python",
+    "--run-path",
+    "--log-dir",
+    "--redirects",
+    "--tee",
+    "--local-ranks-filter",
+    "--node-rank",
+    "--master-addr",
+    "--master-port",
+    "--local-addr",
+    "--logs-specs",
+    "--shutdown-timeout",
+    "--signals-to-handle",
+]
 OUR_FLAGS = ["--master", "--network-check", "--exclude-straggler", "--node-unit", "--job-dir"]
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", "import sys; from dlrover_hpc.cli.{} import main; "
-         "sys.exit(main(sys.argv[1:]))".format(argv[0]), *argv[1:]],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            f"import sys; from dlrover_hpc.cli.{argv[0]} import main; sys.exit(main(sys.argv[1:]))",
+            *argv[1:],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_dlrover_run_help_lists_every_flag() -> None:
@@ -41,8 +70,15 @@ def test_dlrover_hpc_help_lists_subcommands() -> None:
     for sub in ("master", "topology", "drain", "launch", "status", "local-slurm"):
         assert sub in out.stdout, sub
     master = _run("main", "master", "--help")
-    for flag in ("--host", "--port", "--nnodes", "--node-unit", "--topology", "--drain",
-                 "--job-dir"):  # fmt: skip
+    for flag in (
+        "--host",
+        "--port",
+        "--nnodes",
+        "--node-unit",
+        "--topology",
+        "--drain",
+        "--job-dir",
+    ):
         assert flag in master.stdout, flag
     assert "DLROVER_HPC_" in master.stdout
 
@@ -100,10 +136,21 @@ def test_bad_flags_message_and_exit_code_in_a_real_process() -> None:
 
 def test_good_flags_parse_both_spellings() -> None:
     cfg = run_args.parse(
-        ["--nnodes=2:4", "--nproc_per_node=2", "--max_restarts=5", "--node-unit=2",
-         "--network-check", "--exclude-straggler", "--master=node1:29400", "--tee=3",
-         "--redirects=0:1,1:2", "train.py", "--steps", "10"]
-    )  # fmt: skip
+        [
+            "--nnodes=2:4",
+            "--nproc_per_node=2",
+            "--max_restarts=5",
+            "--node-unit=2",
+            "--network-check",
+            "--exclude-straggler",
+            "--master=node1:29400",
+            "--tee=3",
+            "--redirects=0:1,1:2",
+            "train.py",
+            "--steps",
+            "10",
+        ]
+    )
     assert (cfg.nnodes.min, cfg.nnodes.max) == (2, 4)
     assert cfg.nproc_per_node == 2
     assert cfg.max_restarts == 5

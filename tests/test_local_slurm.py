@@ -17,15 +17,18 @@ pytestmark = pytest.mark.slurm
 def _sbatch_wait(script: Path, *args: str, timeout_s: float = 60) -> str:
     out = subprocess.run(
         ["sbatch", "--parsable", *args, str(script)],
-        capture_output=True, text=True, timeout=30, check=True,
-    ).stdout.strip()  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout.strip()
     job = out.split(";")[0]
 
     def done() -> dict[str, str] | None:
         fields = parse_oneliner(
             subprocess.run(
                 ["scontrol", "-o", "show", "job", job], capture_output=True, text=True, timeout=10
-            ).stdout  # fmt: skip
+            ).stdout
         )
         return fields if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED") else None
 
@@ -45,10 +48,12 @@ def test_sbatch_job_sees_slurm_variables_on_every_node(
     local_slurm: LocalSlurm, shared_tmp: Path
 ) -> None:
     script = shared_tmp / "env.sbatch"
-    script.write_text(textwrap.dedent(f"""\
+    script.write_text(
+        textwrap.dedent(f"""\
         #!/bin/bash
         srun --ntasks-per-node=1 bash -c 'env | grep ^SLURM > {shared_tmp}/env-$(hostname).txt'
-        """))  # fmt: skip
+        """)
+    )
     job = _sbatch_wait(script, "-N4", "-o", str(shared_tmp / "out.txt"))
     seen = {}
     for node in ("node1", "node2", "node3", "node4"):
@@ -79,15 +84,18 @@ c = socket.create_connection((sys.argv[1], 29555), timeout=5); print(c.recv(100)
 def test_tcp_from_one_node_namespace_to_another(local_slurm: LocalSlurm) -> None:
     server = subprocess.Popen(
         [*local_slurm.node_exec_argv("node1"), "python3", "-c", SERVER],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert server.stdout is not None
         assert server.stdout.readline().strip() == "listening"
         out = subprocess.run(
             [*local_slurm.node_exec_argv("node3"), "python3", "-c", CLIENT, "node1"],
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert out.stdout.strip() == "hello from node1", out.stderr
         assert server.wait(timeout=10) == 0
     finally:
@@ -96,8 +104,12 @@ def test_tcp_from_one_node_namespace_to_another(local_slurm: LocalSlurm) -> None
 
 
 def test_cut_link_then_heal(local_slurm: LocalSlurm) -> None:
-    probe = [*local_slurm.node_exec_argv("node2"), "python3", "-c",
-             "import socket; socket.create_connection(('10.77.0.254', 1), timeout=2)"]  # fmt: skip
+    probe = [
+        *local_slurm.node_exec_argv("node2"),
+        "python3",
+        "-c",
+        "import socket; socket.create_connection(('10.77.0.254', 1), timeout=2)",
+    ]
     # Link up: the controller's address answers (connection refused on port 1, not a timeout).
     up = subprocess.run(probe, capture_output=True, text=True, timeout=30)
     assert "ConnectionRefusedError" in up.stderr
@@ -116,13 +128,20 @@ def test_slow_link_limits_rate(local_slurm: LocalSlurm) -> None:
     try:
         out = subprocess.run(
             ["tc", "-n", "dlhpc-node4", "qdisc", "show", "dev", "eth0"],
-            capture_output=True, text=True, timeout=10, check=True,
-        ).stdout  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
         assert "tbf" in out and "1Mbit" in out
     finally:
         local_slurm.unslow_link("node4")
-    out = subprocess.run(["tc", "-n", "dlhpc-node4", "qdisc", "show", "dev", "eth0"],
-                         capture_output=True, text=True, timeout=10).stdout  # fmt: skip
+    out = subprocess.run(
+        ["tc", "-n", "dlhpc-node4", "qdisc", "show", "dev", "eth0"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    ).stdout
     assert "tbf" not in out
 
 
@@ -139,6 +158,7 @@ def test_kill_slurmd_and_restart_node(local_slurm: LocalSlurm) -> None:
     wait_for(lambda: "node4" not in local_slurm.slurmd_pids(), timeout_s=10, what="slurmd death")
     local_slurm.restart_node("node4")
     assert local_slurm.slurmd_pid("node4") != old
-    out = subprocess.run(["srun", "-N1", "-w", "node4", "hostname"], capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        ["srun", "-N1", "-w", "node4", "hostname"], capture_output=True, text=True, timeout=60
+    )
     assert out.stdout.strip() == "node4", out.stderr

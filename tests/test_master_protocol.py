@@ -31,8 +31,14 @@ class FakeStores:
 
 
 def _server(tmp_path: Path, nnodes: str = "2:2") -> MasterServer:
-    cfg = MasterConfig(host="127.0.0.1", port=0, nnodes=NodeRange.parse(nnodes),
-                       job_dir=str(tmp_path), job_id="77", last_call_s=0.2)  # fmt: skip
+    cfg = MasterConfig(
+        host="127.0.0.1",
+        port=0,
+        nnodes=NodeRange.parse(nnodes),
+        job_dir=str(tmp_path),
+        job_id="77",
+        last_call_s=0.2,
+    )
     return MasterServer(cfg, token=TOKEN, job_dir=tmp_path, stores=FakeStores())
 
 
@@ -41,17 +47,18 @@ def test_frame_round_trip_and_bad_frames() -> None:
     data = wire.encode(frame)
     assert struct.unpack(">I", data[:4])[0] == len(data) - 4
     assert wire.decode(data[4:]) == frame
-    with pytest.raises(ProtocolError, match="unsupported protocol version 2; this side speaks 1"):
+    with pytest.raises(ProtocolError, match=r"unsupported protocol version 2; this side speaks 1"):
         wire.decode(b'{"v":2,"type":"join","id":1,"body":{}}')
     with pytest.raises(ProtocolError, match="frame is not JSON"):
         wire.decode(b"\x80\x03pickle")
     with pytest.raises(ProtocolError, match="unknown message type 'bogus'"):
         m.from_frame(wire.Frame(type="bogus"))
-    with pytest.raises(ProtocolError, match="join.nproc: 'two' does not match"):
+    with pytest.raises(ProtocolError, match=r"join\.nproc: 'two' does not match"):
         m.from_frame(wire.Frame(type="join", body={"node": "a", "addr": "a", "nproc": "two"}))
     with pytest.raises(ProtocolError, match=r"join: unknown fields \['evil'\]"):
-        m.from_frame(wire.Frame(type="join", body={"node": "a", "addr": "a", "nproc": 1,
-                                                   "evil": 1}))  # fmt: skip
+        m.from_frame(
+            wire.Frame(type="join", body={"node": "a", "addr": "a", "nproc": 1, "evil": 1})
+        )
 
 
 def test_client_with_wrong_token_is_refused_and_logged(
@@ -89,8 +96,9 @@ def test_join_rendezvous_status_and_error_reply(tmp_path: Path) -> None:
         clients = [await MasterClient.connect("127.0.0.1", port, token=TOKEN) for _ in range(2)]
         ids = []
         for i, c in enumerate(clients):
-            reply = await c.request(m.Join(node=f"node{i + 1}", addr=f"node{i + 1}", nproc=2),
-                                    m.JoinReply, timeout_s=5)  # fmt: skip
+            reply = await c.request(
+                m.Join(node=f"node{i + 1}", addr=f"node{i + 1}", nproc=2), m.JoinReply, timeout_s=5
+            )
             ids.append(reply.agent_id)
         waits = [
             c.request(m.WaitRound(agent_id=a, after_round=0), m.Assignment, timeout_s=10)
@@ -106,8 +114,9 @@ def test_join_rendezvous_status_and_error_reply(tmp_path: Path) -> None:
         with pytest.raises(ProtocolError, match="'ack' is not a request the master serves"):
             await clients[0].request(m.Ack(), m.Ack, timeout_s=5)
         with pytest.raises(ProtocolError, match="unknown agent 'nobody'"):
-            await clients[0].request(m.Heartbeat(agent_id="nobody", round=1), m.HeartbeatReply,
-                                     timeout_s=5)  # fmt: skip
+            await clients[0].request(
+                m.Heartbeat(agent_id="nobody", round=1), m.HeartbeatReply, timeout_s=5
+            )
         for c in clients:
             await c.close()
         job.cancel()
@@ -120,32 +129,64 @@ def test_join_rendezvous_status_and_error_reply(tmp_path: Path) -> None:
 
 def test_worker_failure_opens_a_round_and_budget_is_per_job(tmp_path: Path) -> None:
     async def body() -> None:
-        cfg = MasterConfig(host="127.0.0.1", port=0, nnodes=NodeRange.parse("2:2"),
-                           job_dir=str(tmp_path), max_restarts=1, last_call_s=0.1)  # fmt: skip
+        cfg = MasterConfig(
+            host="127.0.0.1",
+            port=0,
+            nnodes=NodeRange.parse("2:2"),
+            job_dir=str(tmp_path),
+            max_restarts=1,
+            last_call_s=0.1,
+        )
         server = MasterServer(cfg, token=TOKEN, job_dir=tmp_path, stores=FakeStores())
         port = await server.start()
         job = asyncio.create_task(server.job.run())
         cs = [await MasterClient.connect("127.0.0.1", port, token=TOKEN) for _ in range(2)]
-        ids = [(await c.request(m.Join(node=f"n{i}", addr="x", nproc=1), m.JoinReply,
-                                timeout_s=5)).agent_id for i, c in enumerate(cs)]  # fmt: skip
+        ids = [
+            (
+                await c.request(m.Join(node=f"n{i}", addr="x", nproc=1), m.JoinReply, timeout_s=5)
+            ).agent_id
+            for i, c in enumerate(cs)
+        ]
 
         async def round_of(after: int) -> list[m.Assignment]:
-            return list(await asyncio.gather(*[
-                c.request(m.WaitRound(agent_id=a, after_round=after), m.Assignment, timeout_s=10)
-                for c, a in zip(cs, ids, strict=True)
-            ]))  # fmt: skip
+            return list(
+                await asyncio.gather(
+                    *[
+                        c.request(
+                            m.WaitRound(agent_id=a, after_round=after), m.Assignment, timeout_s=10
+                        )
+                        for c, a in zip(cs, ids, strict=True)
+                    ]
+                )
+            )
 
         first = await round_of(0)
-        fail = m.WorkerFailed(agent_id=ids[1], round=1, local_rank=0, rank=1, exit_code=-9,
-                              signal="SIGKILL", classification="software", reason="killed")  # fmt: skip
+        fail = m.WorkerFailed(
+            agent_id=ids[1],
+            round=1,
+            local_rank=0,
+            rank=1,
+            exit_code=-9,
+            signal="SIGKILL",
+            classification="software",
+            reason="killed",
+        )
         await cs[1].request(fail, m.Ack, timeout_s=5)
         push = await asyncio.wait_for(cs[0].pushes.get(), 5)  # the other agent is told at once
         assert isinstance(push, m.RoundChanged) and push.round == 2
         second = await round_of(1)
         assert [a.restart_count for a in second] == [1, 1]  # the same count on every node
         assert first[0].store_port != second[0].store_port  # a fresh store per round
-        fail2 = m.WorkerFailed(agent_id=ids[0], round=2, local_rank=0, rank=0, exit_code=1,
-                               signal=None, classification="software", reason="again")  # fmt: skip
+        fail2 = m.WorkerFailed(
+            agent_id=ids[0],
+            round=2,
+            local_rank=0,
+            rank=0,
+            exit_code=1,
+            signal=None,
+            classification="software",
+            reason="again",
+        )
         await cs[0].request(fail2, m.Ack, timeout_s=5)
         final = await round_of(2)
         assert [a.status for a in final] == ["finished", "finished"]

@@ -43,8 +43,13 @@ def test_wait_reports_when_to_look_again() -> None:
 def test_previous_participants_are_kept_over_new_spares() -> None:
     old = _w(3, t=0.0, active=True)
     spare = [Waiter(agent_id="spare", joined_at=-5.0)]  # joined earlier, but was a spare
-    d = decide(params=RdzvParams(min_nodes=3, max_nodes=3), waiting=spare + old, alive=4,
-               opened_at=0.0, now=0.0)  # fmt: skip
+    d = decide(
+        params=RdzvParams(min_nodes=3, max_nodes=3),
+        waiting=spare + old,
+        alive=4,
+        opened_at=0.0,
+        now=0.0,
+    )
     assert d.kind is DecisionKind.COMPLETE
     assert set(d.chosen) == {"a0", "a1", "a2"}
 

@@ -37,7 +37,7 @@ def test_expand_matches_scontrol_show_hostnames() -> None:
 
 @pytest.mark.parametrize("bad", ["node[1-", "node[3-1]", "node[a-b]"])
 def test_expand_rejects_malformed(bad: str) -> None:
-    with pytest.raises(UsageError, match="not a valid Slurm host list.*expected e.g."):
+    with pytest.raises(UsageError, match=r"not a valid Slurm host list.*expected e\.g\."):
         expand(bad, source="SLURM_JOB_NODELIST")
 
 

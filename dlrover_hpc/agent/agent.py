@@ -101,10 +101,13 @@ class Agent:
     async def _rounds(self) -> int:
         assert self.client is not None
         while True:
-            wait = asyncio.create_task(self.client.request(
-                m.WaitRound(agent_id=self.agent_id, after_round=self.round), m.Assignment,
-                timeout_s=24 * 3600,
-            ))  # fmt: skip
+            wait = asyncio.create_task(
+                self.client.request(
+                    m.WaitRound(agent_id=self.agent_id, after_round=self.round),
+                    m.Assignment,
+                    timeout_s=24 * 3600,
+                )
+            )
             stop = asyncio.create_task(self._stop.wait())
             done, _ = await asyncio.wait({wait, stop}, return_when=asyncio.FIRST_COMPLETED)
             if stop in done:
@@ -115,8 +118,9 @@ class Agent:
             assignment = wait.result()
             status = m.NodeStatus(assignment.status)
             if status is m.NodeStatus.FINISHED:
-                log.info("job finished exit_code=%d reason=%s", assignment.exit_code,
-                         assignment.reason)  # fmt: skip
+                log.info(
+                    "job finished exit_code=%d reason=%s", assignment.exit_code, assignment.reason
+                )
                 return assignment.exit_code
             if status is m.NodeStatus.EXCLUDED:
                 log.error("this node is excluded from the job: %s", assignment.reason)
@@ -138,8 +142,9 @@ class Agent:
         pids = self.workers.start(a, env)  # main thread: torch registers signal handlers
         await self.client.request(
             m.WorkersStarted(agent_id=self.agent_id, round=a.round, pids=list(pids.values())),
-            m.Ack, timeout_s=30,
-        )  # fmt: skip
+            m.Ack,
+            timeout_s=30,
+        )
         outcome, failures = await self._monitor()
         if outcome is Outcome.SUCCEEDED:
             self.workers.stop()
@@ -150,16 +155,27 @@ class Agent:
         if outcome is Outcome.FAILED:
             first = failures[0]
             kind = self._classify(first)
-            log.warning("worker failed rank=%d exit_code=%s signal=%s classification=%s",
-                        first.rank, first.exit_code, first.signal, kind)  # fmt: skip
+            log.warning(
+                "worker failed rank=%d exit_code=%s signal=%s classification=%s",
+                first.rank,
+                first.exit_code,
+                first.signal,
+                kind,
+            )
             await self.client.request(
                 m.WorkerFailed(
-                    agent_id=self.agent_id, round=a.round, local_rank=first.local_rank,
-                    rank=first.rank, exit_code=first.exit_code, signal=first.signal,
-                    classification=kind, reason=first.message[:500],
+                    agent_id=self.agent_id,
+                    round=a.round,
+                    local_rank=first.local_rank,
+                    rank=first.rank,
+                    exit_code=first.exit_code,
+                    signal=first.signal,
+                    classification=kind,
+                    reason=first.message[:500],
                 ),
-                m.Ack, timeout_s=30,
-            )  # fmt: skip
+                m.Ack,
+                timeout_s=30,
+            )
         await self._stop_workers()
         return outcome
 
@@ -201,9 +217,10 @@ class Agent:
             await asyncio.sleep(self._heartbeat_s)
             try:
                 reply = await self.client.request(
-                    m.Heartbeat(agent_id=self.agent_id, round=self.round), m.HeartbeatReply,
+                    m.Heartbeat(agent_id=self.agent_id, round=self.round),
+                    m.HeartbeatReply,
                     timeout_s=max(5.0, 2 * self._heartbeat_s),
-                )  # fmt: skip
+                )
             except (ConnectionError, TimeoutError) as exc:
                 log.error("lost the master error=%s; stopping workers", exc)
                 self._stop.set()

@@ -54,17 +54,23 @@ def run_agent(config: RunConfig) -> int:
 
 
 def _run_standalone(config: RunConfig) -> int:
-    job_dir = make_job_dir(config.job_dir or os.path.join(os.getcwd(), ".dlrover-hpc",
-                                                          f"standalone-{os.getpid()}"))  # fmt: skip
+    job_dir = make_job_dir(
+        config.job_dir or os.path.join(os.getcwd(), ".dlrover-hpc", f"standalone-{os.getpid()}")
+    )
     token = secrets.token_hex(32)
     master = MasterThread(
         MasterConfig(
-            host="127.0.0.1", port=0, nnodes=NodeRange(min=1, max=1), job_dir=str(job_dir),
-            job_id=config.run_id or f"standalone-{os.getpid()}", max_restarts=config.max_restarts,
+            host="127.0.0.1",
+            port=0,
+            nnodes=NodeRange(min=1, max=1),
+            job_dir=str(job_dir),
+            job_id=config.run_id or f"standalone-{os.getpid()}",
+            max_restarts=config.max_restarts,
             last_call_s=0.0,
         ),
-        token=token, job_dir=job_dir,
-    )  # fmt: skip
+        token=token,
+        job_dir=job_dir,
+    )
     port = master.start()
     agent = Agent(config, master=("127.0.0.1", port), token=token, job_dir=job_dir)
     code = asyncio.run(agent.run())

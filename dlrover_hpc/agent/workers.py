@@ -121,8 +121,12 @@ class WorkerGroup:
             start_method=cfg.start_method,
         )
         pids = dict(self._ctx.pids())
-        log.info("workers started round=%d node_rank=%d pids=%s", assignment.round,
-                 assignment.node_rank, list(pids.values()))  # fmt: skip
+        log.info(
+            "workers started round=%d node_rank=%d pids=%s",
+            assignment.round,
+            assignment.node_rank,
+            list(pids.values()),
+        )
         return pids
 
     def poll(self) -> RunProcsResult | None:
@@ -140,11 +144,17 @@ class WorkerGroup:
                 with open(stderr, "rb") as fh:
                     fh.seek(max(0, os.path.getsize(stderr) - 8192))
                     tail = fh.read().decode(errors="replace")
-            out.append(WorkerFailure(
-                local_rank=local_rank, rank=self._rank_offset + local_rank,
-                exit_code=f.exitcode, signal=sig, message=str(f.message)[:2000],
-                error_file=f.error_file or "", log_tail=tail,
-            ))  # fmt: skip
+            out.append(
+                WorkerFailure(
+                    local_rank=local_rank,
+                    rank=self._rank_offset + local_rank,
+                    exit_code=f.exitcode,
+                    signal=sig,
+                    message=str(f.message)[:2000],
+                    error_file=f.error_file or "",
+                    log_tail=tail,
+                )
+            )
         return out
 
     def stop(self) -> None:

@@ -8,7 +8,7 @@ from dlrover_hpc.config import DrainMode, MasterConfig, NodeRange, env_default
 from dlrover_hpc.errors import ConfigError, DlroverHpcError
 
 
-def register_master(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register_master(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "master",
         help="run the job master (step 0 of a job)",
@@ -73,7 +73,7 @@ def register_master(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=float(env_default("last_call", "3") or 3),
         help="seconds to wait for more nodes once MIN have joined (default 3)",
     )
-    p.set_defaults(func=_master)  # fmt: skip
+    p.set_defaults(func=_master)
 
 
 def master_config(args: argparse.Namespace) -> MasterConfig:
@@ -104,7 +104,7 @@ def _master(args: argparse.Namespace) -> int:
     return run_master(config)
 
 
-def register_drain(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register_drain(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "drain",
         help="drain a node through scontrol (or print the admin command when refused)",
@@ -130,7 +130,7 @@ def _drain(args: argparse.Namespace) -> int:
     return 1
 
 
-def register_launch(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register_launch(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "launch",
         help="bare metal: start the master here and one agent per host over SSH",
@@ -151,7 +151,7 @@ def _launch(args: argparse.Namespace) -> int:
     raise DlroverHpcError("bare-metal launch over SSH is not available in this release yet")
 
 
-def register_status(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register_status(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "status",
         help="nodes, node ranks, states and restarts of a running job",

@@ -9,7 +9,7 @@ from pathlib import Path
 from dlrover_hpc.testing.local_slurm import LocalSlurm, LocalSlurmConfig
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "local-slurm",
         help="a real multi-node Slurm on this one machine (root)",
@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     down.set_defaults(func=_down)
     st = verbs.add_parser("status", help="print the nodes and their Slurm state")
     st.add_argument("--json", action="store_true", help="print JSON")
-    st.set_defaults(func=_status)  # fmt: skip
+    st.set_defaults(func=_status)
 
 
 def _up(args: argparse.Namespace) -> int:

@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "training_script_args", nargs=argparse.REMAINDER, help="arguments of the training script"
     )
-    return p  # fmt: skip
+    return p
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -54,6 +54,7 @@ class NodeRecord:
     last_seen: float = 0.0
     disconnected_at: float | None = None
     waiter: asyncio.Future[m.Assignment] | None = None
+    assignment: m.Assignment | None = None  # of the newest round it was in
 
 
 class StoreFactory(Protocol):
@@ -128,8 +129,10 @@ class Job:
         self.excluded_nodes = set(saved.get("excluded_nodes", []))
         log.info(
             "master resumed from journal round=%d restarts=%d excluded=%s",
-            self.round, self.restart_count, sorted(self.excluded_nodes),
-        )  # fmt: skip
+            self.round,
+            self.restart_count,
+            sorted(self.excluded_nodes),
+        )
 
     def _alive(self) -> list[NodeRecord]:
         return [n for n in self.nodes.values() if n.state in (NodeState.WAITING, NodeState.ACTIVE)]
@@ -143,11 +146,16 @@ class Job:
         agent_id = msg.agent_id or f"{msg.node}-{next(self._ids)}"
         excluded = msg.node in self.excluded_nodes
         rec = NodeRecord(
-            agent_id=agent_id, node=msg.node, addr=msg.addr, nproc=msg.nproc,
-            slurm_node_id=msg.slurm_node_id, topology_addr=msg.topology_addr,
+            agent_id=agent_id,
+            node=msg.node,
+            addr=msg.addr,
+            nproc=msg.nproc,
+            slurm_node_id=msg.slurm_node_id,
+            topology_addr=msg.topology_addr,
             state=NodeState.EXCLUDED if excluded else NodeState.WAITING,
-            joined_at=now, last_seen=now,
-        )  # fmt: skip
+            joined_at=now,
+            last_seen=now,
+        )
         self.nodes[agent_id] = rec
         log.info("agent joined agent=%s node=%s excluded=%s", agent_id, msg.node, excluded)
         if self.state is JobState.RUNNING and not excluded:
@@ -166,11 +174,15 @@ class Job:
             fut.set_result(self._finished_assignment())
             return fut
         if rec.state is NodeState.EXCLUDED:
-            fut.set_result(m.Assignment(status=m.NodeStatus.EXCLUDED.value,
-                                        reason=f"node {rec.node} is excluded from this job"))  # fmt: skip
+            fut.set_result(
+                m.Assignment(
+                    status=m.NodeStatus.EXCLUDED.value,
+                    reason=f"node {rec.node} is excluded from this job",
+                )
+            )
             return fut
-        if rec.state is NodeState.ACTIVE and rec.round > msg.after_round:
-            fut.set_result(self._assignment(rec))
+        if rec.state is NodeState.ACTIVE and rec.round > msg.after_round and rec.assignment:
+            fut.set_result(rec.assignment)  # it asked again (e.g. after a reconnect)
             return fut
         if rec.state is NodeState.DONE and self.state is JobState.RUNNING:
             pass  # finished its part: waits for the job's end (or a new round, see open_round)
@@ -191,24 +203,43 @@ class Job:
 
     def workers_started(self, msg: m.WorkersStarted) -> m.Ack:
         rec = self._record_of(msg.agent_id)
-        self._emit("workers_started", node=rec.node, node_rank=rec.rank, round=msg.round,
-                   pids=msg.pids, restart_count=self.restart_count)  # fmt: skip
+        self._emit(
+            "workers_started",
+            node=rec.node,
+            node_rank=rec.rank,
+            round=msg.round,
+            pids=msg.pids,
+            restart_count=self.restart_count,
+        )
         return m.Ack()
 
     def worker_failed(self, msg: m.WorkerFailed) -> m.Ack:
         rec = self._record_of(msg.agent_id)
-        self._emit("worker_failed", node=rec.node, node_rank=rec.rank, round=msg.round,
-                   local_rank=msg.local_rank, rank=msg.rank, exit_code=msg.exit_code,
-                   signal=msg.signal, classification=msg.classification, reason=msg.reason)  # fmt: skip
+        self._emit(
+            "worker_failed",
+            node=rec.node,
+            node_rank=rec.rank,
+            round=msg.round,
+            local_rank=msg.local_rank,
+            rank=msg.rank,
+            exit_code=msg.exit_code,
+            signal=msg.signal,
+            classification=msg.classification,
+            reason=msg.reason,
+        )
         if msg.round != self.round or self.state is not JobState.RUNNING:
             return m.Ack()  # this round is already being replaced
         self.restart_count += 1
         self._record(restart_count=self.restart_count)
         log.warning(
             "worker failed node=%s local_rank=%d exit=%s signal=%s restarts=%d/%d",
-            rec.node, msg.local_rank, msg.exit_code, msg.signal, self.restart_count,
+            rec.node,
+            msg.local_rank,
+            msg.exit_code,
+            msg.signal,
+            self.restart_count,
             self.config.max_restarts,
-        )  # fmt: skip
+        )
         if self.restart_count > self.config.max_restarts:
             self.finish(
                 1, f"worker failed and the job's {self.config.max_restarts} restarts are used up"
@@ -242,14 +273,23 @@ class Job:
 
     def status(self) -> m.StatusReply:
         return m.StatusReply(
-            job_id=self.config.job_id, state=self.state.value, round=self.round,
-            restart_count=self.restart_count, max_restarts=self.config.max_restarts,
+            job_id=self.config.job_id,
+            state=self.state.value,
+            round=self.round,
+            restart_count=self.restart_count,
+            max_restarts=self.config.max_restarts,
             nodes=[
-                {"agent_id": n.agent_id, "node": n.node, "rank": n.rank, "state": n.state.value,
-                 "round": n.round, "nproc": n.nproc}
+                {
+                    "agent_id": n.agent_id,
+                    "node": n.node,
+                    "rank": n.rank,
+                    "state": n.state.value,
+                    "round": n.round,
+                    "nproc": n.nproc,
+                }
                 for n in sorted(self.nodes.values(), key=lambda n: (n.rank < 0, n.rank, n.node))
             ],
-        )  # fmt: skip
+        )
 
     # --------------------------------------------------------- transitions
     def disconnected(self, agent_id: str) -> None:
@@ -288,8 +328,9 @@ class Job:
                 active = rec.state is NodeState.ACTIVE
                 rec.state = NodeState.EXCLUDED
                 if rec.waiter is not None and not rec.waiter.done():
-                    rec.waiter.set_result(m.Assignment(status=m.NodeStatus.EXCLUDED.value,
-                                                       reason=reason))  # fmt: skip
+                    rec.waiter.set_result(
+                        m.Assignment(status=m.NodeStatus.EXCLUDED.value, reason=reason)
+                    )
                 if active and self.state is JobState.RUNNING:
                     self.open_round(f"node {node} excluded: {reason}")
 
@@ -312,8 +353,9 @@ class Job:
         self.state, self.exit_code, self.finish_reason = JobState.FINISHED, exit_code, reason
         log.info("job finished exit_code=%d reason=%s", exit_code, reason)
         self._record(finished=True, exit_code=exit_code)
-        self._emit("job_finished", exit_code=exit_code, reason=reason,
-                   restart_count=self.restart_count)  # fmt: skip
+        self._emit(
+            "job_finished", exit_code=exit_code, reason=reason, restart_count=self.restart_count
+        )
         for rec in self.nodes.values():
             if rec.waiter is not None and not rec.waiter.done():
                 rec.waiter.set_result(self._finished_assignment())
@@ -322,8 +364,11 @@ class Job:
         self.finished.set()
 
     def _finished_assignment(self) -> m.Assignment:
-        return m.Assignment(status=m.NodeStatus.FINISHED.value, exit_code=self.exit_code or 0,
-                            reason=self.finish_reason)  # fmt: skip
+        return m.Assignment(
+            status=m.NodeStatus.FINISHED.value,
+            exit_code=self.exit_code or 0,
+            reason=self.finish_reason,
+        )
 
     # ----------------------------------------------------------- the loop
     def step(self) -> float | None:
@@ -333,22 +378,33 @@ class Job:
             return None
         now = self._clock()
         waiting = [
-            n for n in self.nodes.values()
+            n
+            for n in self.nodes.values()
             if n.state is NodeState.WAITING and n.waiter is not None and not n.waiter.done()
-        ]  # fmt: skip
+        ]
         alive = [n for n in self._alive() if n.state is not NodeState.LOST]
         decision = decide(
             params=self.params,
-            waiting=[Waiter(agent_id=n.agent_id, joined_at=n.joined_at,
-                            was_active=n.round == self.round and n.rank >= 0) for n in waiting],
-            alive=len(alive), initial=self.round == 0, opened_at=self._opened_at, now=now,
-        )  # fmt: skip
+            waiting=[
+                Waiter(
+                    agent_id=n.agent_id,
+                    joined_at=n.joined_at,
+                    was_active=n.round == self.round and n.rank >= 0,
+                )
+                for n in waiting
+            ],
+            alive=len(alive),
+            initial=self.round == 0,
+            opened_at=self._opened_at,
+            now=now,
+        )
         if decision.kind is DecisionKind.COMPLETE:
             self._complete([self.nodes[a] for a in decision.chosen])
             return None
         if decision.kind is DecisionKind.TIMEOUT:
-            self.finish(1, f"fewer than {self.params.min_nodes} nodes for "
-                           f"{self.params.timeout_s:.0f} s")  # fmt: skip
+            self.finish(
+                1, f"fewer than {self.params.min_nodes} nodes for {self.params.timeout_s:.0f} s"
+            )
             return None
         return decision.wake_at
 
@@ -359,10 +415,17 @@ class Job:
         first_round = self.round == 0 or not previous
         self.round += 1
         ranked = rank_nodes(
-            [RankInput(agent_id=n.agent_id, node=n.node, slurm_node_id=n.slurm_node_id,
-                       topology_addr=n.topology_addr) for n in chosen],
+            [
+                RankInput(
+                    agent_id=n.agent_id,
+                    node=n.node,
+                    slurm_node_id=n.slurm_node_id,
+                    topology_addr=n.topology_addr,
+                )
+                for n in chosen
+            ],
             self._topology,
-        )  # fmt: skip
+        )
         self._store_port = self._stores.new_store(self.round)
         world = sum(n.nproc for n in chosen)
         names = [r.node for r in ranked]
@@ -371,13 +434,21 @@ class Job:
             rec = self.nodes[r.agent_id]
             rec.state, rec.rank, rec.round = NodeState.ACTIVE, rank, self.round
             assignment = m.Assignment(
-                status=m.NodeStatus.ACTIVE.value, round=self.round, node_rank=rank,
-                nnodes=len(ranked), world_size=world, rank_offset=offset,
-                store_host=self._store_host, store_port=self._store_port,
-                restart_count=self.restart_count, max_restarts=self.config.max_restarts,
-                run_id=self.config.job_id, nodes=names,
-            )  # fmt: skip
+                status=m.NodeStatus.ACTIVE.value,
+                round=self.round,
+                node_rank=rank,
+                nnodes=len(ranked),
+                world_size=world,
+                rank_offset=offset,
+                store_host=self._store_host,
+                store_port=self._store_port,
+                restart_count=self.restart_count,
+                max_restarts=self.config.max_restarts,
+                run_id=self.config.job_id,
+                nodes=names,
+            )
             offset += rec.nproc
+            rec.assignment = assignment
             if rec.waiter is not None and not rec.waiter.done():
                 rec.waiter.set_result(assignment)
             if not first_round and rec.agent_id not in previous:
@@ -388,8 +459,13 @@ class Job:
         self.state = JobState.RUNNING
         self._record(round=self.round, restart_count=self.restart_count)
         log.info("rendezvous complete round=%d nodes=%s", self.round, ",".join(names))
-        self._emit("rendezvous_complete", round=self.round, nodes=names, world_size=world,
-                   restart_count=self.restart_count)  # fmt: skip
+        self._emit(
+            "rendezvous_complete",
+            round=self.round,
+            nodes=names,
+            world_size=world,
+            restart_count=self.restart_count,
+        )
         if self.round > 1 and not first_round:
             self._emit("workers_restarted", round=self.round, restart_count=self.restart_count)
 

@@ -122,13 +122,21 @@ class MasterServer:
             self._connection, self.config.host, self.config.port, limit=wire.MAX_FRAME, backlog=4096
         )
         self.port = self._server.sockets[0].getsockname()[1]
-        info = {"host": self.advertised_host, "port": self.port, "pid": os.getpid(),
-                "job_id": self.config.job_id}  # fmt: skip
+        info = {
+            "host": self.advertised_host,
+            "port": self.port,
+            "pid": os.getpid(),
+            "job_id": self.config.job_id,
+        }
         tmp = self.job_dir / "master.json.tmp"
         tmp.write_text(json.dumps(info))
         os.replace(tmp, self.job_dir / "master.json")
-        log.info("master listening host=%s port=%d job_dir=%s", self.advertised_host, self.port,
-                 self.job_dir)  # fmt: skip
+        log.info(
+            "master listening host=%s port=%d job_dir=%s",
+            self.advertised_host,
+            self.port,
+            self.job_dir,
+        )
         return self.port
 
     def push(self, agent_id: str, message: m.Message) -> None:
@@ -159,8 +167,9 @@ class MasterServer:
                     self.job.disconnected(agent_id)
             writer.close()
 
-    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                            peer: Any) -> bool:  # fmt: skip
+    async def _authenticate(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Any
+    ) -> bool:
         nonce = wire.new_nonce()
         wire.write_frame(writer, wire.Frame(type="challenge", body={"nonce": nonce}))
         try:
@@ -183,8 +192,9 @@ class MasterServer:
         await writer.drain()
         return True
 
-    async def _request(self, frame: wire.Frame, writer: asyncio.StreamWriter,
-                       agent_ids: set[str]) -> None:  # fmt: skip
+    async def _request(
+        self, frame: wire.Frame, writer: asyncio.StreamWriter, agent_ids: set[str]
+    ) -> None:
         try:
             msg = m.from_frame(frame)
             handler = self._handlers.get(type(msg))

@@ -31,8 +31,10 @@ def format_status(status: m.StatusReply) -> str:
     ]
     for n in status.nodes:
         rank = str(n["rank"]) if n["rank"] >= 0 else "-"
-        lines.append(f"{n['node']:<16}{rank:>5}  {n['state']:<10}{n['round']:>6}"
-                     f"{n['nproc']:>6}  {n['agent_id']}")  # fmt: skip
+        lines.append(
+            f"{n['node']:<16}{rank:>5}  {n['state']:<10}{n['round']:>6}"
+            f"{n['nproc']:>6}  {n['agent_id']}"
+        )
     return "\n".join(lines)
 
 

@@ -182,11 +182,25 @@ class ErrorReply(Message):
 REGISTRY: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        Join, JoinReply, WaitRound, Assignment, Heartbeat, HeartbeatReply, WorkersStarted,
-        WorkerFailed, WorkersSucceeded, Ack, StatusRequest, StatusReply, CheckpointPart,
-        CheckpointCommit, Event, RoundChanged, ErrorReply,
+        Join,
+        JoinReply,
+        WaitRound,
+        Assignment,
+        Heartbeat,
+        HeartbeatReply,
+        WorkersStarted,
+        WorkerFailed,
+        WorkersSucceeded,
+        Ack,
+        StatusRequest,
+        StatusReply,
+        CheckpointPart,
+        CheckpointCommit,
+        Event,
+        RoundChanged,
+        ErrorReply,
     )
-}  # fmt: skip
+}
 
 M = TypeVar("M", bound=Message)
 

@@ -36,7 +36,8 @@ class RdzvParams:
             raise ConfigError(f"node unit must be at least 1, got {self.node_unit}")
         if self.max_nodes // self.node_unit * self.node_unit < self.min_nodes:
             raise ConfigError(
-                f"no multiple of node unit {self.node_unit} lies in {self.min_nodes}:{self.max_nodes}"
+                f"no multiple of node unit {self.node_unit} lies in "
+                f"{self.min_nodes}:{self.max_nodes}"
             )
 
 

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -56,10 +57,8 @@ def take_snapshot(*, slurmd_pids: dict[str, int] | None = None) -> LeakSnapshot:
     shm = {f"host:{name}" for name in os.listdir("/dev/shm")}
     node_procs: set[tuple[int, str]] = set()
     for node, root in _node_roots(slurmd_pids or {}).items():
-        try:
+        with contextlib.suppress(OSError):
             shm |= {f"{node}:{name}" for name in os.listdir(root / "dev/shm")}
-        except OSError:
-            pass
         node_procs |= _node_processes(node, slurmd_pids[node])  # type: ignore[index]
     return LeakSnapshot(
         children=children, netns=netns, shm=frozenset(shm), node_processes=frozenset(node_procs)

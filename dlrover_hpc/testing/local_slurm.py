@@ -102,7 +102,7 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _wait(predicate, *, timeout_s: float, what: str, interval_s: float = 0.1) -> None:  # type: ignore[no-untyped-def]
+def _wait(predicate, *, timeout_s: float, what: str, interval_s: float = 0.1) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
@@ -119,13 +119,13 @@ class LocalSlurm:
         self._state_file = self.config.state_dir / "state.json"
 
     # ----------------------------------------------------------------- state
-    def _load_state(self) -> dict | None:  # type: ignore[type-arg]
+    def _load_state(self) -> dict | None:
         try:
-            return json.loads(self._state_file.read_text())  # type: ignore[no-any-return]
+            return json.loads(self._state_file.read_text())
         except FileNotFoundError:
             return None
 
-    def _save_state(self, state: dict) -> None:  # type: ignore[type-arg]
+    def _save_state(self, state: dict) -> None:
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         tmp = self._state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=1))
@@ -193,7 +193,7 @@ class LocalSlurm:
                     f"install the Debian packages {' '.join(PACKAGES)} by hand"
                 )
 
-    def _write_config(self, state: dict) -> None:  # type: ignore[type-arg]
+    def _write_config(self, state: dict) -> None:
         cfg = self.config
         sd = cfg.state_dir
         for sub in ("ctld", "log", "spool"):
@@ -282,8 +282,9 @@ PartitionName=debug Nodes={hostlist} Default=YES MaxTime=INFINITE State=UP
             if not Path(f"/run/netns/{ns}").exists():
                 _run(["ip", "netns", "add", ns])
             if not Path(f"/sys/class/net/{veth}").exists():
-                _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0",
-                      "netns", ns])  # fmt: skip
+                _run(
+                    ["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns]
+                )
             _run(["ip", "link", "set", veth, "master", br, "up"])
             _run(["ip", "-n", ns, "addr", "replace", f"{cfg.address(node)}/24", "dev", "eth0"])
             _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
@@ -293,9 +294,12 @@ PartitionName=debug Nodes={hostlist} Default=YES MaxTime=INFINITE State=UP
         logf = open(self.config.state_dir / "log" / log_name, "ab")  # noqa: SIM115
         with logf:
             proc = subprocess.Popen(
-                list(argv), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                list(argv),
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 start_new_session=True,
-            )  # fmt: skip
+            )
         return proc.pid
 
     def _start_munged(self) -> int | None:
@@ -333,10 +337,18 @@ PartitionName=debug Nodes={hostlist} Default=YES MaxTime=INFINITE State=UP
             f"exec slurmd -D -N {node}"
         )
         argv = [
-            "nsenter", f"--net=/run/netns/{netns_name(node)}",
-            "unshare", "--uts", "--mount", "--ipc", "--propagation", "private",
-            "sh", "-c", setup,
-        ]  # fmt: skip
+            "nsenter",
+            f"--net=/run/netns/{netns_name(node)}",
+            "unshare",
+            "--uts",
+            "--mount",
+            "--ipc",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            setup,
+        ]
         return self._spawn(argv, f"slurmd-{node}.stdout")
 
     def _wait_idle(self, timeout_s: float = 60.0) -> None:
@@ -401,7 +413,7 @@ PartitionName=debug Nodes={hostlist} Default=YES MaxTime=INFINITE State=UP
         return pids
 
     # ---------------------------------------------------------------- status
-    def status(self) -> dict:  # type: ignore[type-arg]
+    def status(self) -> dict:
         state = self._load_state()
         if not state:
             return {"up": False}
@@ -457,8 +469,16 @@ PartitionName=debug Nodes={hostlist} Default=YES MaxTime=INFINITE State=UP
         """
         pids = self._kill_netns_processes(node)
         if mark_down:
-            _run(["scontrol", "update", f"nodename={node}", "state=down",
-                  "reason=dlrover-hpc test: node killed"], check=False)  # fmt: skip
+            _run(
+                [
+                    "scontrol",
+                    "update",
+                    f"nodename={node}",
+                    "state=down",
+                    "reason=dlrover-hpc test: node killed",
+                ],
+                check=False,
+            )
         return pids
 
     def restart_node(self, node: str) -> None:
@@ -477,8 +497,25 @@ PartitionName=debug Nodes={hostlist} Default=YES MaxTime=INFINITE State=UP
 
     def slow_link(self, node: str, *, rate: str = "1mbit") -> None:
         """Rate-limit the node's outgoing traffic (tbf; this kernel has no netem)."""
-        _run(["tc", "-n", netns_name(node), "qdisc", "replace", "dev", "eth0", "root", "tbf",
-              "rate", rate, "burst", "32kbit", "latency", "400ms"])  # fmt: skip
+        _run(
+            [
+                "tc",
+                "-n",
+                netns_name(node),
+                "qdisc",
+                "replace",
+                "dev",
+                "eth0",
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "32kbit",
+                "latency",
+                "400ms",
+            ]
+        )
 
     def unslow_link(self, node: str) -> None:
         _run(["tc", "-n", netns_name(node), "qdisc", "del", "dev", "eth0", "root"], check=False)

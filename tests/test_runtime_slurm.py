@@ -1,0 +1,174 @@
+"""The master and agents on the real local Slurm: DDP jobs, killed workers and nodes, spares."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from runtime_helpers import REPO, TRAIN, events, named, sbatch, wait_job
+
+from dlrover_hpc.testing import LocalSlurm, wait_for
+
+pytestmark = pytest.mark.slurm
+
+
+def _train_args(work: Path, *, steps: int, extra: tuple[str, ...] = ()) -> list[str]:
+    (work / "ckpt").mkdir(exist_ok=True)
+    return [
+        str(TRAIN),
+        f"--steps={steps}",
+        f"--ckpt-dir={work / 'ckpt'}",
+        "--ckpt-every=5",
+        f"--result={work / 'result.json'}",
+        f"--rank-log={work / 'ranks'}",
+        *extra,
+    ]
+
+
+def _job_dir(work: Path, job: str) -> Path:
+    return work / ".dlrover-hpc" / job
+
+
+def _wait_training(work: Path, job: str, step: int) -> None:
+    out = work / f"slurm-{job}.out"
+    wait_for(
+        lambda: out.exists() and f"step {step} loss" in out.read_text(),
+        timeout_s=120,
+        what=f"job {job} to reach step {step}",
+        interval_s=0.3,
+    )
+
+
+def _last_round_nodes(evs: list[dict]) -> list[str]:
+    return named(evs, "rendezvous_complete")[-1]["nodes"]
+
+
+def test_four_node_job_survives_killed_worker_and_ranks_follow_topology(
+    local_slurm: LocalSlurm, shared_tmp: Path
+) -> None:
+    # A topology whose order differs from Slurm's node order: node1,node3 | node2,node4.
+    topo = shared_tmp / "cross.conf"
+    topo.write_text(
+        "SwitchName=leafA Nodes=node[1,3]\nSwitchName=leafB Nodes=node[2,4]\n"
+        "SwitchName=spine Switches=leafA,leafB\n"
+    )
+    job = sbatch(
+        shared_tmp,
+        4,
+        "--nnodes=4:4",
+        "--nproc-per-node=2",
+        "--max-restarts=2",
+        *_train_args(shared_tmp, steps=30, extra=("--fail-at-step=12", "--fail-rank=5")),
+        master_opts=f"--topology={topo}",
+    )
+    fields = wait_job(job, timeout_s=240)
+    out = (shared_tmp / f"slurm-{job}.out").read_text()
+    assert fields["JobState"] == "COMPLETED", out[-4000:]
+    assert json.loads((shared_tmp / "result.json").read_text()) == {
+        "final_step": 30,
+        "world_size": 8,
+        "restart_count": 1,
+        "group_world_size": 4,
+    }
+    evs = events(_job_dir(shared_tmp, job))
+    assert _last_round_nodes(evs) == ["node1", "node3", "node2", "node4"]
+    failed = named(evs, "worker_failed")
+    assert failed[0]["rank"] == 5 and failed[0]["signal"] == "SIGKILL"
+    assert [e["restart_count"] for e in named(evs, "workers_restarted")] == [1]
+    assert named(evs, "job_finished")[-1]["exit_code"] == 0
+    # Every worker's GROUP_RANK follows the topology, before and after the restart.
+    for restart in (0, 1):
+        for rank in range(8):
+            placed = json.loads(
+                (shared_tmp / "ranks" / f"restart{restart}-rank{rank}.json").read_text()
+            )
+            expected_node = ["node1", "node3", "node2", "node4"][rank // 2]
+            assert (placed["host"], placed["group_rank"]) == (expected_node, rank // 2)
+
+
+def test_killed_node_job_finishes_on_three(local_slurm: LocalSlurm, shared_tmp: Path) -> None:
+    job = sbatch(
+        shared_tmp,
+        4,
+        "--nnodes=3:4",
+        "--nproc-per-node=1",
+        *_train_args(shared_tmp, steps=60, extra=("--step-time=0.1",)),
+    )
+    try:
+        _wait_training(shared_tmp, job, 8)
+        local_slurm.kill_node("node4")  # its slurmd, agent and workers, as if it lost power
+        fields = wait_job(job, timeout_s=240)
+    finally:
+        local_slurm.restart_node("node4")
+    out = (shared_tmp / f"slurm-{job}.out").read_text()
+    assert fields["JobState"] == "COMPLETED", out[-4000:]
+    evs = events(_job_dir(shared_tmp, job))
+    assert [e["node"] for e in named(evs, "node_lost")] == ["node4"]
+    assert sorted(_last_round_nodes(evs)) == ["node1", "node2", "node3"]
+    result = json.loads((shared_tmp / "result.json").read_text())
+    assert result["final_step"] == 60 and result["group_world_size"] == 3
+    assert named(evs, "job_finished")[-1]["exit_code"] == 0
+
+
+def test_hot_spare_replaces_killed_node(local_slurm: LocalSlurm, shared_tmp: Path) -> None:
+    job = sbatch(
+        shared_tmp,
+        4,
+        "--nnodes=3:3",
+        "--nproc-per-node=1",
+        *_train_args(shared_tmp, steps=60, extra=("--step-time=0.1",)),
+        template="train-spares.sbatch",
+    )
+    jd = _job_dir(shared_tmp, job)
+    try:
+        _wait_training(shared_tmp, job, 8)
+        first = _last_round_nodes(events(jd))
+        assert len(first) == 3
+        spare = ({"node1", "node2", "node3", "node4"} - set(first)).pop()
+        victim = next(n for n in reversed(first) if n != "node1")  # node1 hosts the master
+        local_slurm.kill_node(victim)
+        fields = wait_job(job, timeout_s=240)
+    finally:
+        local_slurm.restart_node(victim)
+    out = (shared_tmp / f"slurm-{job}.out").read_text()
+    assert fields["JobState"] == "COMPLETED", out[-4000:]
+    evs = events(jd)
+    assert [e["node"] for e in named(evs, "node_admitted")] == [spare]
+    last = _last_round_nodes(evs)
+    assert len(last) == 3 and spare in last and victim not in last
+    assert json.loads((shared_tmp / "result.json").read_text())["group_world_size"] == 3
+
+
+def test_two_jobs_on_the_same_nodes_do_not_collide(
+    local_slurm: LocalSlurm, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    works = []
+    for name in ("a", "b"):
+        work = tmp_path_factory.mktemp(f"job-{name}")
+        work.chmod(0o777)
+        works.append(work)
+    jobs = [
+        sbatch(
+            w,
+            2,
+            "--nnodes=2:2",
+            "--nproc-per-node=2",
+            *_train_args(w, steps=20),
+            extra=("-w", "node[2-3]"),
+        )
+        for w in works
+    ]
+    for work, job in zip(works, jobs, strict=True):
+        fields = wait_job(job, timeout_s=240)
+        assert fields["JobState"] == "COMPLETED", (work / f"slurm-{job}.out").read_text()[-3000:]
+        assert json.loads((work / "result.json").read_text())["final_step"] == 20
+        evs = events(_job_dir(work, job))
+        assert named(evs, "job_finished")[-1]["exit_code"] == 0
+        assert not named(evs, "worker_failed")
+    masters = [
+        json.loads((_job_dir(w, j) / "master.json").read_text())
+        for w, j in zip(works, jobs, strict=True)
+    ]
+    assert masters[0]["port"] != masters[1]["port"] or masters[0]["host"] != masters[1]["host"]
+    assert REPO.exists()
