@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step")
     p.add_argument("--result", default=None, help="rank 0 writes a JSON summary here")
     p.add_argument("--rank-log", default=None, help="each rank writes its placement here")
+    p.add_argument("--timing-log", default=None, help="rank 0 appends 'time step restart'")
     args = p.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -73,7 +74,8 @@ def main() -> None:
         time.sleep(args.step_time)
         done = step + 1
         if done == args.fail_at_step and rank == args.fail_rank and not os.path.exists(marker):
-            open(marker, "w").close()
+            with open(marker, "w") as f:
+                f.write(str(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         if ckpt_path and rank == 0 and done % args.ckpt_every == 0:
             tmp = ckpt_path + ".tmp"
@@ -81,6 +83,9 @@ def main() -> None:
                 {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": done}, tmp
             )
             os.replace(tmp, ckpt_path)
+        if rank == 0 and args.timing_log:
+            with open(args.timing_log, "a") as f:
+                f.write(f"{time.time()} {done} {restart}\n")
         if rank == 0:
             print(f"step {done} loss {loss.item():.4f} world {world} restart {restart}", flush=True)
     if rank == 0 and args.result:

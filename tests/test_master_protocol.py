@@ -107,7 +107,6 @@ def test_join_rendezvous_status_and_error_reply(tmp_path: Path) -> None:
         a1, a2 = await asyncio.gather(*waits)
         assert (a1.node_rank, a2.node_rank) == (0, 1)
         assert (a1.world_size, a2.rank_offset, a1.store_port) == (4, 2, 40001)
-        assert a1.nodes == ["node1", "node2"]
         status = await clients[0].request(m.StatusRequest(), m.StatusReply, timeout_s=5)
         assert status.state == "running" and [n["state"] for n in status.nodes] == ["active"] * 2
         # A message the master does not serve gets an error reply, never an empty success.

@@ -108,6 +108,7 @@ class Job:
         self._changed = asyncio.Event()
         self._commits: dict[tuple[str, int], set[int]] = {}
         self.finished = asyncio.Event()
+        self._stop_signal = ""
         if journal is not None:
             self._resume(journal.load())
         self._emit("job_started", job_id=config.job_id, nnodes=str(config.nnodes))
@@ -139,6 +140,11 @@ class Job:
 
     def poke(self) -> None:
         self._changed.set()
+
+    def request_stop(self, signal_name: str) -> None:
+        """From a signal handler: only record it; :meth:`step` finishes the job."""
+        self._stop_signal = signal_name
+        self.poke()
 
     # ------------------------------------------------------------ handlers
     def join(self, msg: m.Join) -> m.JoinReply:
@@ -373,7 +379,9 @@ class Job:
     # ----------------------------------------------------------- the loop
     def step(self) -> float | None:
         """Apply the rendezvous decision; returns when to call again (monotonic) or None."""
-        self.check_liveness()
+        if self._stop_signal:
+            self.finish(143, f"the master received {self._stop_signal}")
+            return None
         if self.state is not JobState.RENDEZVOUS:
             return None
         now = self._clock()
@@ -445,7 +453,6 @@ class Job:
                 restart_count=self.restart_count,
                 max_restarts=self.config.max_restarts,
                 run_id=self.config.job_id,
-                nodes=names,
             )
             offset += rec.nproc
             rec.assignment = assignment

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import socket
 import threading
 from collections.abc import Awaitable, Callable
@@ -32,15 +33,17 @@ class TorchStores:
     or ports (torchrun's gloo restarts fail exactly there)."""
 
     def __init__(self, keep: int = 2) -> None:
+        # Import torch now, not when the first round completes (it takes a second or two).
+        from torch.distributed import TCPStore
+
+        self._tcp_store = TCPStore
         self._stores: list[Any] = []
         self._keep = keep
 
     def new_store(self, round: int) -> int:
         from datetime import timedelta
 
-        from torch.distributed import TCPStore
-
-        store = TCPStore(
+        store = self._tcp_store(
             "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
         )
         self._stores.append(store)
@@ -225,6 +228,7 @@ class MasterServer:
     async def _liveness(self) -> None:
         while True:
             await asyncio.sleep(0.5)
+            self.job.check_liveness()  # O(nodes): on this timer only, not on every change
             self.job.poke()
 
     async def serve(self, linger_s: float = 10.0) -> int:
@@ -258,7 +262,15 @@ def run_master(config: MasterConfig) -> int:
     job_dir = make_job_dir(config.job_dir)
     token = resolve_token(job_dir, create=True)
     server = MasterServer(config, token=token, job_dir=job_dir)
-    return asyncio.run(server.serve())
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            # The handler only records the request; the job loop acts on it.
+            loop.add_signal_handler(sig, server.job.request_stop, sig.name)
+        return await server.serve()
+
+    return asyncio.run(main())
 
 
 class MasterThread:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dlrover_hpc.cli.run_args import default_job_dir
 from dlrover_hpc.config import parse_host_port
+from dlrover_hpc.errors import DlroverHpcError
 from dlrover_hpc.master.server import resolve_token
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
@@ -45,7 +46,13 @@ def print_status(*, master: str | None, job_dir: str | None, as_json: bool) -> i
     else:
         info = json.loads((directory / "master.json").read_text())
         host, port = info["host"], int(info["port"])
-    status = asyncio.run(fetch_status(host, port, resolve_token(directory, create=False)))
+    try:
+        status = asyncio.run(fetch_status(host, port, resolve_token(directory, create=False)))
+    except (OSError, TimeoutError) as exc:
+        raise DlroverHpcError(
+            f"cannot reach the job master at {host}:{port} ({exc}); run this where the job's "
+            f"nodes resolve, e.g. srun --jobid=JOB --overlap -N1 -n1 dlrover-hpc status"
+        ) from None
     if as_json:
         print(json.dumps(dataclasses.asdict(status), indent=1))
     else:

@@ -69,7 +69,6 @@ class Assignment(Message):
     restart_count: int = 0
     max_restarts: int = 0
     run_id: str = ""
-    nodes: list[str] = dataclasses.field(default_factory=list)
     exit_code: int = 0
     reason: str = ""
 
@@ -206,7 +205,9 @@ M = TypeVar("M", bound=Message)
 
 
 def to_frame(message: Message, *, frame_id: int | None = None) -> Frame:
-    return Frame(type=message.TYPE, id=frame_id, body=dataclasses.asdict(message))
+    # A shallow field copy, not dataclasses.asdict: asdict deep-copies every list.
+    body = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
+    return Frame(type=message.TYPE, id=frame_id, body=body)
 
 
 def _matches(value: Any, hint: Any) -> bool:

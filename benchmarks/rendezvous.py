@@ -1,0 +1,135 @@
+"""Rendezvous of N simulated agents (asyncio clients in one process) against a real master.
+
+Prints one JSON line.  The baseline, measured in the same run, is the floor of the transport:
+N connections to a plain asyncio server that answers one length-prefixed frame each.
+
+    python benchmarks/rendezvous.py --agents 64 1024 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from dlrover_hpc.protocol import messages as m
+from dlrover_hpc.protocol import wire
+from dlrover_hpc.protocol.client import MasterClient
+
+GOALS_S = {1024: 2.0, 8192: 15.0}
+
+
+def _raise_fd_limit(need: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, need), hard))
+
+
+async def _agent(port: int, token: str, i: int, sem: asyncio.Semaphore) -> tuple[int, MasterClient]:
+    async with sem:  # bounded concurrent connects, as a real fan-in would be
+        client = await MasterClient.connect("127.0.0.1", port, token=token, timeout_s=120)
+        reply = await client.request(
+            m.Join(node=f"node{i:05d}", addr=f"node{i:05d}", nproc=8, slurm_node_id=i),
+            m.JoinReply,
+            timeout_s=120,
+        )
+    assignment = await client.request(
+        m.WaitRound(agent_id=reply.agent_id, after_round=0), m.Assignment, timeout_s=300
+    )
+    return assignment.node_rank, client
+
+
+async def rendezvous(n: int, port: int, token: str) -> float:
+    sem = asyncio.Semaphore(512)
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*[_agent(port, token, i, sem) for i in range(n)])
+    took = time.perf_counter() - t0
+    ranks = sorted(r for r, _ in results)
+    assert ranks == list(range(n)), "every agent must get a distinct node rank"
+    await asyncio.gather(*[c.close() for _, c in results])
+    return took
+
+
+async def baseline(n: int) -> float:
+    """N connections, one framed request and answer each: the transport's floor."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        frame = await wire.read_frame(reader)
+        wire.write_frame(writer, wire.Frame(type="ok", id=frame.id))
+        await writer.drain()
+        await reader.read()  # hold the connection until the client closes it
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, backlog=4096)
+    port = server.sockets[0].getsockname()[1]
+    sem = asyncio.Semaphore(512)
+
+    async def one(i: int) -> asyncio.StreamWriter:
+        async with sem:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            wire.write_frame(writer, wire.Frame(type="ping", id=i))
+            await writer.drain()
+            await wire.read_frame(reader)
+        return writer
+
+    t0 = time.perf_counter()
+    writers = await asyncio.gather(*[one(i) for i in range(n)])
+    took = time.perf_counter() - t0
+    for w in writers:
+        w.close()
+    server.close()
+    return took
+
+
+def run_one(n: int) -> dict:
+    token = secrets.token_hex(16)
+    with tempfile.TemporaryDirectory() as job_dir:
+        env = {**os.environ, "DLROVER_HPC_TOKEN": token, "DLROVER_HPC_LOG_LEVEL": "WARNING"}
+        master = subprocess.Popen(
+            [sys.executable, "-m", "dlrover_hpc.cli.main", "master", "--host=127.0.0.1",
+             "--port=0", f"--nnodes={n}:{n}", f"--job-dir={job_dir}", "--last-call=0",
+             "--heartbeat-timeout=600"],
+            env=env,
+        )  # fmt: skip
+        try:
+            info_path = Path(job_dir) / "master.json"
+            deadline = time.monotonic() + 60
+            while not info_path.exists():
+                if time.monotonic() > deadline or master.poll() is not None:
+                    raise RuntimeError("master did not start")
+                time.sleep(0.05)
+            port = json.loads(info_path.read_text())["port"]
+            took = asyncio.run(rendezvous(n, port, token))
+        finally:
+            master.terminate()
+            master.wait(30)
+    base = asyncio.run(baseline(n))
+    return {
+        "agents": n,
+        "rendezvous_s": round(took, 3),
+        "baseline_transport_s": round(base, 3),
+        "ratio_to_transport": round(took / base, 2),
+        "goal_s": GOALS_S.get(n),
+        "meets_goal": took <= GOALS_S[n] if n in GOALS_S else None,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--agents", type=int, nargs="+", default=[64, 1024, 8192])
+    args = p.parse_args()
+    _raise_fd_limit(max(args.agents) * 2 + 512)
+    results = [run_one(n) for n in args.agents]
+    print(json.dumps({"bench": "rendezvous", "cpus": os.cpu_count(), "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""A small DDP training script with flash checkpoints (DdpCheckpointer).
+
+Runs as one process (`python examples/train_flash_ckpt.py`), under `torchrun` (an in-process
+saver; a one-line warning says so) or under `dlrover-run` (the agent's saver persists, also
+after a worker crash).  It saves to memory every --save-every steps and to disk every
+--persist-every steps, and resumes from the newest consistent checkpoint after a restart.
+With --fail-at-step N --fail-rank R the rank SIGKILLs itself once (a marker file in the
+checkpoint directory remembers it) to demonstrate recovery.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dlrover_hpc.checkpoint import DdpCheckpointer, StorageType
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--ckpt-dir", default="./ckpt-flash")
+    p.add_argument("--save-every", type=int, default=2, help="memory checkpoint interval")
+    p.add_argument("--persist-every", type=int, default=10, help="disk checkpoint interval")
+    p.add_argument("--keep-last", type=int, default=2)
+    p.add_argument("--fail-at-step", type=int, default=-1)
+    p.add_argument("--fail-rank", type=int, default=0)
+    p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
+    p.add_argument("--result", default=None, help="rank 0 writes a JSON summary here")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    use_cuda = torch.cuda.is_available()
+    if world > 1:
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else None
+    if device is not None:
+        torch.cuda.set_device(device)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)).to(device or "cpu")
+    net = DDP(model, device_ids=[device] if device is not None else None) if world > 1 else model
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+
+    ckpt = DdpCheckpointer(args.ckpt_dir, keep_last=args.keep_last)
+    state = ckpt.load_checkpoint(
+        state_dict={"model": model.state_dict(), "optimizer": opt.state_dict()}
+    )
+    start = 0
+    if state:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+    restored = ckpt.last_restored
+
+    gen = torch.Generator().manual_seed(1234 + rank)
+    loss = torch.tensor(0.0)
+    for step in range(start + 1, args.steps + 1):
+        x = torch.randn(16, 32, generator=gen).to(device or "cpu")
+        loss = (net(x) - x.sum(dim=1, keepdim=True) * 0.1).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if args.step_time:
+            time.sleep(args.step_time)
+        if step % args.save_every == 0:
+            disk = step % args.persist_every == 0 or step == args.steps
+            ckpt.save_checkpoint(
+                step,
+                {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
+                storage_type=StorageType.DISK if disk else StorageType.MEMORY,
+            )
+        marker = os.path.join(args.ckpt_dir, f".failed-once-{args.fail_rank}")
+        if step == args.fail_at_step and rank == args.fail_rank and not os.path.exists(marker):
+            os.makedirs(args.ckpt_dir, exist_ok=True)
+            with open(marker, "w") as f:
+                f.write(str(step))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    committed = ckpt.wait_latest_checkpoint(120)
+    if rank == 0 and args.result:
+        with open(args.result, "w") as f:
+            json.dump(
+                {
+                    "start_step": start,
+                    "restored": list(restored) if restored else None,
+                    "final_step": args.steps,
+                    "loss": float(loss.detach()),
+                    "committed": committed,
+                    "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                },
+                f,
+            )
+    ckpt.close()
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
