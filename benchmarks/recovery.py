@@ -36,15 +36,35 @@ def _one(launcher: str, work: Path, *, steps: int, fail_at: int) -> dict:
     ckpt = work / "ckpt"
     ckpt.mkdir()
     timing = work / "timing.txt"
-    train = [str(TRAIN), f"--steps={steps}", f"--ckpt-dir={ckpt}", "--ckpt-every=5",
-             f"--fail-at-step={fail_at}", "--fail-rank=1", f"--timing-log={timing}",
-             "--step-time=0.05"]  # fmt: skip
+    train = [
+        str(TRAIN),
+        f"--steps={steps}",
+        f"--ckpt-dir={ckpt}",
+        "--ckpt-every=5",
+        f"--fail-at-step={fail_at}",
+        "--fail-rank=1",
+        f"--timing-log={timing}",
+        "--step-time=0.05",
+    ]
     if launcher == "dlrover-run":
-        argv = [str(BIN / "dlrover-run"), "--standalone", "--nproc-per-node=2",
-                "--max-restarts=3", f"--job-dir={work / 'job'}", *train]  # fmt: skip
+        argv = [
+            str(BIN / "dlrover-run"),
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=3",
+            f"--job-dir={work / 'job'}",
+            *train,
+        ]
     else:
-        argv = [str(BIN / "torchrun"), "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--max-restarts=3", *train]  # fmt: skip
+        argv = [
+            str(BIN / "torchrun"),
+            "--nnodes=1",
+            "--nproc-per-node=2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+            "--max-restarts=3",
+            *train,
+        ]
     t0 = time.time()
     proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=600)
     end = time.time()
@@ -74,8 +94,9 @@ def main() -> None:
     for _ in range(args.repeats):
         for launcher in runs:  # interleaved, so both see the same machine noise
             with tempfile.TemporaryDirectory() as d:
-                runs[launcher].append(_one(launcher, Path(d), steps=args.steps,
-                                           fail_at=args.fail_at_step))  # fmt: skip
+                runs[launcher].append(
+                    _one(launcher, Path(d), steps=args.steps, fail_at=args.fail_at_step)
+                )
     ours = [r["recovery_s"] for r in runs["dlrover-run"] if r["recovered"]]
     theirs = [r["recovery_s"] for r in runs["torchrun"] if r["recovered"]]
     theirs_fail = [r["gave_up_after_s"] for r in runs["torchrun"] if not r["recovered"]]

@@ -94,11 +94,20 @@ def run_one(n: int) -> dict:
     with tempfile.TemporaryDirectory() as job_dir:
         env = {**os.environ, "DLROVER_HPC_TOKEN": token, "DLROVER_HPC_LOG_LEVEL": "WARNING"}
         master = subprocess.Popen(
-            [sys.executable, "-m", "dlrover_hpc.cli.main", "master", "--host=127.0.0.1",
-             "--port=0", f"--nnodes={n}:{n}", f"--job-dir={job_dir}", "--last-call=0",
-             "--heartbeat-timeout=600"],
+            [
+                sys.executable,
+                "-m",
+                "dlrover_hpc.cli.main",
+                "master",
+                "--host=127.0.0.1",
+                "--port=0",
+                f"--nnodes={n}:{n}",
+                f"--job-dir={job_dir}",
+                "--last-call=0",
+                "--heartbeat-timeout=600",
+            ],
             env=env,
-        )  # fmt: skip
+        )
         try:
             info_path = Path(job_dir) / "master.json"
             deadline = time.monotonic() + 60
