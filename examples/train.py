@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
 
 import torch
@@ -27,6 +28,13 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=5)
     p.add_argument("--fail-at-step", type=int, default=-1, help="SIGKILL self at this step once")
     p.add_argument("--fail-rank", type=int, default=-1)
+    p.add_argument(
+        "--fail-mode",
+        choices=["kill", "xid"],
+        default="kill",
+        help="kill: SIGKILL self; xid: log a GPU Xid 79 line and exit 1 (a fake "
+        "hardware fault, to demonstrate draining)",
+    )
     p.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step")
     p.add_argument("--result", default=None, help="rank 0 writes a JSON summary here")
     p.add_argument("--rank-log", default=None, help="each rank writes its placement here")
@@ -76,6 +84,13 @@ def main() -> None:
         if done == args.fail_at_step and rank == args.fail_rank and not os.path.exists(marker):
             with open(marker, "w") as f:
                 f.write(str(time.time()))
+            if args.fail_mode == "xid":
+                print(
+                    "NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, GPU has fallen off the bus.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                sys.exit(1)
             os.kill(os.getpid(), signal.SIGKILL)
         if ckpt_path and rank == 0 and done % args.ckpt_every == 0:
             tmp = ckpt_path + ".tmp"

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 from runtime_helpers import REPO, TRAIN, events, named, sbatch, wait_job
 
+from dlrover_hpc.slurm.commands import show_node
+from dlrover_hpc.slurm.parse import node_state
 from dlrover_hpc.testing import LocalSlurm, wait_for
 
 pytestmark = pytest.mark.slurm
@@ -172,3 +175,38 @@ def test_two_jobs_on_the_same_nodes_do_not_collide(
     ]
     assert masters[0]["port"] != masters[1]["port"] or masters[0]["host"] != masters[1]["host"]
     assert REPO.exists()
+
+
+def test_hardware_fault_drains_the_node_and_training_goes_on(
+    local_slurm: LocalSlurm, shared_tmp: Path
+) -> None:
+    job = sbatch(
+        shared_tmp,
+        4,
+        "--nnodes=3:4",
+        "--nproc-per-node=1",
+        *_train_args(
+            shared_tmp, steps=30, extra=("--fail-at-step=8", "--fail-rank=2", "--fail-mode=xid")
+        ),
+    )
+    fields = wait_job(job, timeout_s=240)
+    out = (shared_tmp / f"slurm-{job}.out").read_text()
+    evs = events(_job_dir(shared_tmp, job))
+    failed = named(evs, "worker_failed")
+    try:
+        assert fields["JobState"] == "COMPLETED", out[-4000:]
+        hardware = [e for e in failed if e["classification"] == "hardware"]
+        assert len(hardware) == 1, failed  # the Xid rank; its peers fail as software
+        assert hardware[0]["rank"] == 2 and "Xid" in hardware[0]["reason"]
+        bad = hardware[0]["node"]
+        assert [e["node"] for e in named(evs, "node_drained")] == [bad]
+        assert bad not in _last_round_nodes(evs) and len(_last_round_nodes(evs)) == 3
+        node = show_node(bad)
+        assert "DRAIN" in node_state(node)[1]
+        assert node["Reason"].startswith("dlrover-hpc: hardware fault on rank 2")
+        assert f"job {job}" in node["Reason"]
+    finally:
+        for e in failed:
+            subprocess.run(
+                ["scontrol", "update", f"nodename={e['node']}", "state=resume"], timeout=10
+            )

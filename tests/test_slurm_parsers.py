@@ -159,3 +159,15 @@ def test_job_nodes_uses_squeue() -> None:
     run, calls = _runner(0, stdout="node[1-2,4]\n")
     assert commands.job_nodes("12", run=run) == ["node1", "node2", "node4"]
     assert calls == [["squeue", "-h", "-j", "12", "-o", "%N"]]
+
+
+def test_parse_show_node_reason_holding_key_value_words() -> None:
+    line = (
+        (DATA / "show_node_drained.txt")
+        .read_text()
+        .replace(
+            "Reason=dlrover-hpc: test job 2", "Reason=dlrover-hpc: Xid 79, pid=4242, gpu=0 job 2"
+        )
+    )
+    fields = parse_oneliner(line, free_text_last="Reason")
+    assert fields["Reason"].startswith("dlrover-hpc: Xid 79, pid=4242, gpu=0 job 2 [")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 
+from dlrover_hpc.agent.diagnose import Diagnoser
 from dlrover_hpc.agent.workers import WorkerFailure, WorkerGroup
 from dlrover_hpc.cli.run_args import RunConfig
 from dlrover_hpc.protocol import messages as m
@@ -37,7 +38,6 @@ class Agent:
         token: str,
         job_dir: Path,
         on_workers_stopped: Callable[[], None] | None = None,
-        classify: Callable[[WorkerFailure], str] | None = None,
         extra_env: dict[str, str] | None = None,
     ) -> None:
         self.config = config
@@ -45,10 +45,13 @@ class Agent:
         self._token = token
         self.job_dir = job_dir
         self._on_stopped = on_workers_stopped or (lambda: None)
-        self._classify = classify or (lambda _f: "software")
         self._extra_env = extra_env or {}
         self.node = socket.gethostname().split(".")[0]
-        self.workers = WorkerGroup(config, log_dir=config.log_dir)
+        # Per-rank logs default to the job directory; stderr is teed there (and still shown)
+        # so a failure's log tail can be diagnosed.
+        log_dir = config.log_dir or str(job_dir / "logs" / self.node)
+        self.workers = WorkerGroup(config, log_dir=log_dir)
+        self.diagnoser = Diagnoser()
         self.client: MasterClient | None = None
         self.agent_id = ""
         self.round = 0
@@ -139,6 +142,7 @@ class Agent:
             "DLROVER_HPC_JOB_ID": a.run_id,
             **self._extra_env,
         }
+        self.diagnoser.workers_starting()
         pids = self.workers.start(a, env)  # main thread: torch registers signal handlers
         await self.client.request(
             m.WorkersStarted(agent_id=self.agent_id, round=a.round, pids=list(pids.values())),
@@ -152,9 +156,14 @@ class Agent:
                 m.WorkersSucceeded(agent_id=self.agent_id, round=a.round), m.Ack, timeout_s=30
             )
             return outcome
+        if outcome is Outcome.ROUND_CHANGED:
+            await self._stop_workers()
+            await self._report_logged_hardware_fault(a)
+            return outcome
         if outcome is Outcome.FAILED:
             first = failures[0]
-            kind = self._classify(first)
+            diagnosis = self.diagnoser.diagnose(first)
+            kind = diagnosis.kind.value
             log.warning(
                 "worker failed rank=%d exit_code=%s signal=%s classification=%s",
                 first.rank,
@@ -171,7 +180,7 @@ class Agent:
                     exit_code=first.exit_code,
                     signal=first.signal,
                     classification=kind,
-                    reason=first.message[:500],
+                    reason=f"{diagnosis.reason} [{'; '.join(diagnosis.evidence)[:600]}]",
                 ),
                 m.Ack,
                 timeout_s=30,
@@ -179,16 +188,41 @@ class Agent:
         await self._stop_workers()
         return outcome
 
+    async def _report_logged_hardware_fault(self, a: m.Assignment) -> None:
+        assert self.client is not None
+        tails = {lr: self.workers.log_tail(lr) for lr in self.workers.stderr_paths}
+        found = self.diagnoser.scan_logs(tails)
+        if found is None:
+            return
+        local_rank, diagnosis = found
+        log.warning("hardware fault in the log of local_rank=%d: %s", local_rank, diagnosis.reason)
+        await self.client.request(
+            m.WorkerFailed(
+                agent_id=self.agent_id,
+                round=a.round,
+                local_rank=local_rank,
+                rank=a.rank_offset + local_rank,
+                exit_code=None,
+                signal=None,
+                classification=diagnosis.kind.value,
+                reason=f"{diagnosis.reason} [{'; '.join(diagnosis.evidence)[:600]}]",
+            ),
+            m.Ack,
+            timeout_s=30,
+        )
+
     async def _monitor(self) -> tuple[Outcome, list[WorkerFailure]]:
         interval = self.config.monitor_interval_s
         while True:
             if self._stop.is_set():
                 return Outcome.STOPPED, []
-            if self._round_changed.is_set():
+            changed = self._round_changed.is_set()
+            result = await asyncio.to_thread(self.workers.poll)
+            if changed and (result is None or not result.is_failed()):
                 log.info("round changed: stopping workers to re-rendezvous")
                 return Outcome.ROUND_CHANGED, []
-            result = await asyncio.to_thread(self.workers.poll)
-            if result is not None:
+            if result is not None:  # a failure is reported even when the round moved on:
+                # it may be the cause (a hardware fault) that a peer's report raced ahead of
                 if result.is_failed():
                     return Outcome.FAILED, self.workers.failures(result)
                 return Outcome.SUCCEEDED, []

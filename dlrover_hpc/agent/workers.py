@@ -77,6 +77,7 @@ class WorkerGroup:
         self._log_dir = log_dir
         self._ctx: PContext | None = None
         self._rank_offset = 0
+        self.stderr_paths: dict[int, str] = {}
 
     def start(self, assignment: Assignment, extra_env: Mapping[str, str]) -> dict[int, int]:
         cfg = self.config
@@ -103,10 +104,13 @@ class WorkerGroup:
         if self._log_dir:
             run_log_dir = os.path.join(self._log_dir, f"round{assignment.round}")
             os.makedirs(run_log_dir, exist_ok=True)
+        tee = cfg.tee
+        if cfg.redirects == "0" and cfg.tee == "0":
+            tee = "2"  # keep stderr on the console and in the log file, for diagnosis
         logs = DefaultLogsSpecs(
             log_dir=run_log_dir or None,
             redirects=_std(cfg.redirects),
-            tee=_std(cfg.tee),
+            tee=_std(tee),
             local_ranks_filter=ranks_filter,
         )
         self._rank_offset = assignment.rank_offset
@@ -120,6 +124,7 @@ class WorkerGroup:
             log_line_prefixes=prefixes,
             start_method=cfg.start_method,
         )
+        self.stderr_paths = {lr: str(p) for lr, p in (self._ctx.stderrs or {}).items() if p}
         pids = dict(self._ctx.pids())
         log.info(
             "workers started round=%d node_rank=%d pids=%s",
@@ -138,12 +143,7 @@ class WorkerGroup:
         out = []
         for local_rank, f in sorted(result.failures.items(), key=lambda kv: kv[1].timestamp):
             sig = f.signal_name() if f.exitcode is not None and f.exitcode < 0 else None
-            tail = ""
-            stderr = result.stderrs.get(local_rank) if result.stderrs else None
-            if stderr and os.path.exists(stderr):
-                with open(stderr, "rb") as fh:
-                    fh.seek(max(0, os.path.getsize(stderr) - 8192))
-                    tail = fh.read().decode(errors="replace")
+            tail = self.log_tail(local_rank)
             out.append(
                 WorkerFailure(
                     local_rank=local_rank,
@@ -156,6 +156,14 @@ class WorkerGroup:
                 )
             )
         return out
+
+    def log_tail(self, local_rank: int, max_bytes: int = 8192) -> str:
+        path = self.stderr_paths.get(local_rank)
+        if not path or not os.path.exists(path):
+            return ""
+        with open(path, "rb") as fh:
+            fh.seek(max(0, os.path.getsize(path) - max_bytes))
+            return fh.read().decode(errors="replace")
 
     def stop(self) -> None:
         if self._ctx is not None:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Any, Protocol
 
-from dlrover_hpc.config import MasterConfig
+from dlrover_hpc.config import DrainMode, MasterConfig
 from dlrover_hpc.master.journal import EventLog, Journal
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.rendezvous.ranking import RankInput, rank_nodes
@@ -82,6 +82,7 @@ class Job:
         clock: Clock = time.monotonic,
         events: EventLog | None = None,
         journal: Journal | None = None,
+        remove_node: Callable[[str, str], None] | None = None,
     ) -> None:
         self.config = config
         self.params = RdzvParams(
@@ -95,6 +96,7 @@ class Job:
         self._topology, self._clock = topology, clock
         self._events = events
         self._journal = journal
+        self._remove_node = remove_node
         self.nodes: dict[str, NodeRecord] = {}
         self.state = JobState.RENDEZVOUS
         self.round = 0
@@ -233,16 +235,24 @@ class Job:
             classification=msg.classification,
             reason=msg.reason,
         )
+        if msg.classification == "hardware" and self.config.drain is not DrainMode.OFF:
+            # Even when a peer's failure already opened the next round (a dying rank often
+            # takes its peers down first): the faulty node must not be admitted again.
+            reason = f"hardware fault on rank {msg.rank}: {msg.reason[:120]}"
+            self.exclude(rec.node, reason)
+            if self._remove_node is not None:
+                self._remove_node(rec.node, reason)  # drain, or quarantine when refused
         if msg.round != self.round or self.state is not JobState.RUNNING:
-            return m.Ack()  # this round is already being replaced
+            return m.Ack()  # this round is already being replaced: charge the budget once
         self.restart_count += 1
         self._record(restart_count=self.restart_count)
         log.warning(
-            "worker failed node=%s local_rank=%d exit=%s signal=%s restarts=%d/%d",
+            "worker failed node=%s local_rank=%d exit=%s signal=%s kind=%s restarts=%d/%d",
             rec.node,
             msg.local_rank,
             msg.exit_code,
             msg.signal,
+            msg.classification,
             self.restart_count,
             self.config.max_restarts,
         )

@@ -19,6 +19,7 @@ from dlrover_hpc.config import MasterConfig
 from dlrover_hpc.errors import ConfigError, ProtocolError
 from dlrover_hpc.master.job import Job
 from dlrover_hpc.master.journal import EventLog, Journal, make_job_dir
+from dlrover_hpc.master.policy import NodeRemover
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol import wire
 
@@ -99,6 +100,10 @@ class MasterServer:
             topology=topology,
             events=self.events,
             journal=Journal(job_dir / "journal.jsonl"),
+            remove_node=self._remove_node,
+        )
+        self._remover = NodeRemover(
+            mode=config.drain, job_id=config.job_id, job_dir=job_dir, events=self.events
         )
         self._writers: dict[str, asyncio.StreamWriter] = {}
         self._server: asyncio.base_events.Server | None = None
@@ -115,6 +120,10 @@ class MasterServer:
             m.StatusRequest: lambda _msg: self.job.status(),
             m.Event: self._event,
         }
+
+    def _remove_node(self, node: str, reason: str) -> None:
+        """Drain or quarantine in a thread: scontrol must not stall the event loop."""
+        asyncio.get_running_loop().run_in_executor(None, self._remover.remove, node, reason)
 
     def _event(self, msg: m.Event) -> m.Ack:
         self.events.emit(msg.event, **msg.fields)

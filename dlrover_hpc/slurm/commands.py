@@ -82,7 +82,7 @@ def show_node(node: str, *, run: Runner = run_command, timeout_s: float = 15.0) 
     done = run(["scontrol", "-o", "show", "node", node], timeout_s=timeout_s)
     if done.returncode != 0:
         raise SlurmError(f"scontrol show node {node} failed: {done.stderr.strip()}")
-    return parse_oneliner(done.stdout)
+    return parse_oneliner(done.stdout, free_text_last="Reason")
 
 
 def requeue_job(job_id: str, *, run: Runner = run_command, timeout_s: float = 30.0) -> None:

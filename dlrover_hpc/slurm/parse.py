@@ -7,12 +7,17 @@ import re
 _KEY = re.compile(r"(?:^|(?<=\s))([A-Za-z][A-Za-z0-9_:/.]*)=")
 
 
-def parse_oneliner(line: str) -> dict[str, str]:
+def parse_oneliner(line: str, *, free_text_last: str | None = None) -> dict[str, str]:
     """``scontrol -o show node|job X``: one line of ``Key=Value`` pairs; values may hold spaces
-    (``Reason=dlrover-hpc: link down [root@2026-11-21T21:15:53]``)."""
-    matches = list(_KEY.finditer(line.strip()))
-    out: dict[str, str] = {}
+    (``Reason=dlrover-hpc: link down [root@2026-11-21T21:15:53]``).  ``free_text_last`` names a
+    key printed last whose value is free text (a node's ``Reason``): it runs to the line's end."""
     text = line.strip()
+    matches = list(_KEY.finditer(text))
+    for i, m in enumerate(matches):
+        if m.group(1) == free_text_last:
+            matches = matches[: i + 1]
+            break
+    out: dict[str, str] = {}
     for i, m in enumerate(matches):
         end = matches[i + 1].start() if i + 1 < len(matches) else len(text)
         out[m.group(1)] = text[m.end() : end].strip()
