@@ -60,9 +60,16 @@ class LocalSlurmConfig:
     def address(self, node: str) -> str:
         return f"{self.subnet}.{int(node.removeprefix(self.prefix))}"
 
+    data_subnet: str = "10.78.0"
+
     @property
     def bridge(self) -> str:
         return "dlhpc-br0"
+
+    @property
+    def data_bridge(self) -> str:
+        """A second network ("the fabric", eth1 in each node) that can fail on its own."""
+        return "dlhpc-br1"
 
     @property
     def controller_address(self) -> str:
@@ -73,8 +80,15 @@ def netns_name(node: str) -> str:
     return f"dlhpc-{node}"
 
 
-def _veth_host(node: str) -> str:
-    return f"dlhpc-v{node}"[:15]
+def _veth_host(node: str, net: str = "control") -> str:
+    """Host side of a node's link: ``control`` (eth0: Slurm, master) or ``data`` (eth1)."""
+    if net not in ("control", "data"):
+        raise LocalSlurmError(f"network {net!r}: expected 'control' or 'data'")
+    return (f"dlhpc-v{node}" if net == "control" else f"dlhpc-d{node}")[:15]
+
+
+def _ifname(net: str) -> str:
+    return "eth0" if net == "control" else "eth1"
 
 
 def _run(argv: Sequence[str], *, check: bool = True, timeout_s: float = 60.0) -> str:
@@ -272,23 +286,39 @@ PartitionName=debug Nodes={hostlist} Default=YES MaxTime=INFINITE State=UP
 
     def _setup_network(self) -> None:
         cfg = self.config
-        br = cfg.bridge
-        if not Path(f"/sys/class/net/{br}").exists():
-            _run(["ip", "link", "add", br, "type", "bridge"])
-            _run(["ip", "addr", "add", f"{cfg.controller_address}/24", "dev", br])
-        _run(["ip", "link", "set", br, "up"])
+        nets = (("control", cfg.bridge, cfg.subnet), ("data", cfg.data_bridge, cfg.data_subnet))
+        for _net, br, subnet in nets:
+            if not Path(f"/sys/class/net/{br}").exists():
+                _run(["ip", "link", "add", br, "type", "bridge"])
+                _run(["ip", "addr", "add", f"{subnet}.254/24", "dev", br])
+            _run(["ip", "link", "set", br, "up"])
         for node in cfg.node_names():
-            ns, veth = netns_name(node), _veth_host(node)
+            ns = netns_name(node)
             if not Path(f"/run/netns/{ns}").exists():
                 _run(["ip", "netns", "add", ns])
-            if not Path(f"/sys/class/net/{veth}").exists():
-                _run(
-                    ["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns]
-                )
-            _run(["ip", "link", "set", veth, "master", br, "up"])
-            _run(["ip", "-n", ns, "addr", "replace", f"{cfg.address(node)}/24", "dev", "eth0"])
-            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            index = cfg.address(node).rsplit(".", 1)[1]
+            for net, br, subnet in nets:
+                veth, ifname = _veth_host(node, net), _ifname(net)
+                if not Path(f"/sys/class/net/{veth}").exists():
+                    _run(
+                        [
+                            "ip",
+                            "link",
+                            "add",
+                            veth,
+                            "type",
+                            "veth",
+                            "peer",
+                            "name",
+                            ifname,
+                            "netns",
+                            ns,
+                        ]
+                    )
+                _run(["ip", "link", "set", veth, "master", br, "up"])
+                _run(["ip", "-n", ns, "addr", "replace", f"{subnet}.{index}/24", "dev", ifname])
+                _run(["ip", "-n", ns, "link", "set", ifname, "up"])
 
     def _spawn(self, argv: Sequence[str], log_name: str) -> int:
         logf = open(self.config.state_dir / "log" / log_name, "ab")  # noqa: SIM115
@@ -380,10 +410,12 @@ PartitionName=debug Nodes={hostlist} Default=YES MaxTime=INFINITE State=UP
             ns = netns_name(node)
             if Path(f"/run/netns/{ns}").exists():
                 _run(["ip", "netns", "del", ns], check=False)
-            if Path(f"/sys/class/net/{_veth_host(node)}").exists():
-                _run(["ip", "link", "del", _veth_host(node)], check=False)
-        if Path(f"/sys/class/net/{self.config.bridge}").exists():
-            _run(["ip", "link", "del", self.config.bridge], check=False)
+            for net in ("control", "data"):
+                if Path(f"/sys/class/net/{_veth_host(node, net)}").exists():
+                    _run(["ip", "link", "del", _veth_host(node, net)], check=False)
+        for br in (self.config.bridge, self.config.data_bridge):
+            if Path(f"/sys/class/net/{br}").exists():
+                _run(["ip", "link", "del", br], check=False)
         for conf in (SLURM_CONF, TOPOLOGY_CONF):
             with contextlib.suppress(FileNotFoundError):
                 if _MARK in conf.read_text():
@@ -488,14 +520,17 @@ PartitionName=debug Nodes={hostlist} Default=YES MaxTime=INFINITE State=UP
         self._save_state(state)
         _run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)
 
-    def cut_link(self, node: str) -> None:
-        _run(["ip", "link", "set", _veth_host(node), "down"])
+    def cut_link(self, node: str, *, net: str = "control") -> None:
+        """Take the node's link down: ``control`` (Slurm and the master lose it) or ``data``
+        (only the fabric: the node still talks to the master but not to its peers' eth1)."""
+        _run(["ip", "link", "set", _veth_host(node, net), "down"])
 
-    def heal_link(self, node: str) -> None:
-        _run(["ip", "link", "set", _veth_host(node), "up"])
-        _run(["ip", "link", "set", _veth_host(node), "master", self.config.bridge])
+    def heal_link(self, node: str, *, net: str = "control") -> None:
+        bridge = self.config.bridge if net == "control" else self.config.data_bridge
+        _run(["ip", "link", "set", _veth_host(node, net), "up"])
+        _run(["ip", "link", "set", _veth_host(node, net), "master", bridge])
 
-    def slow_link(self, node: str, *, rate: str = "1mbit") -> None:
+    def slow_link(self, node: str, *, rate: str = "1mbit", net: str = "control") -> None:
         """Rate-limit the node's outgoing traffic (tbf; this kernel has no netem)."""
         _run(
             [
@@ -505,7 +540,7 @@ PartitionName=debug Nodes={hostlist} Default=YES MaxTime=INFINITE State=UP
                 "qdisc",
                 "replace",
                 "dev",
-                "eth0",
+                _ifname(net),
                 "root",
                 "tbf",
                 "rate",
@@ -517,8 +552,10 @@ PartitionName=debug Nodes={hostlist} Default=YES MaxTime=INFINITE State=UP
             ]
         )
 
-    def unslow_link(self, node: str) -> None:
-        _run(["tc", "-n", netns_name(node), "qdisc", "del", "dev", "eth0", "root"], check=False)
+    def unslow_link(self, node: str, *, net: str = "control") -> None:
+        _run(
+            ["tc", "-n", netns_name(node), "qdisc", "del", "dev", _ifname(net), "root"], check=False
+        )
 
     def node_exec_argv(self, node: str) -> list[str]:
         """argv prefix that runs a command inside the node's namespaces (net, uts, mount, ipc)."""
