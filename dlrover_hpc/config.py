@@ -107,6 +107,7 @@ class MasterConfig:
     last_call_s: float = 3.0
     rendezvous_timeout_s: float = 600.0
     min_nodes_timeout_s: float = 600.0
+    netcheck_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

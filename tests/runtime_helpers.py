@@ -43,8 +43,9 @@ def sbatch(
     extra: tuple[str, ...] = (),
     master_opts: str = "",
     template: str = "train.sbatch",
+    env: dict[str, str] | None = None,
 ) -> str:
-    env = run_env()
+    env = {**run_env(), **(env or {})}
     if master_opts:
         env["DLROVER_HPC_MASTER_OPTS"] = master_opts
     out = subprocess.run(

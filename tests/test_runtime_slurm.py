@@ -62,6 +62,7 @@ def test_four_node_job_survives_killed_worker_and_ranks_follow_topology(
         "--nnodes=4:4",
         "--nproc-per-node=2",
         "--max-restarts=2",
+        "--network-check",
         *_train_args(shared_tmp, steps=30, extra=("--fail-at-step=12", "--fail-rank=5")),
         master_opts=f"--topology={topo}",
     )
@@ -80,6 +81,11 @@ def test_four_node_job_survives_killed_worker_and_ranks_follow_topology(
     assert failed[0]["rank"] == 5 and failed[0]["signal"] == "SIGKILL"
     assert [e["restart_count"] for e in named(evs, "workers_restarted")] == [1]
     assert named(evs, "job_finished")[-1]["exit_code"] == 0
+    # A healthy network check ran before the start and again before the restart.
+    checks = [e for e in named(evs, "netcheck_result") if e["final"]]
+    assert [c["generation"] for c in checks] == [1, 2], checks
+    assert all(c["faulty"] == [] and c["round"] == 1 for c in checks)
+    assert all(len(c["timings"]) == 4 for c in checks)
     # Every worker's GROUP_RANK follows the topology, before and after the restart.
     for restart in (0, 1):
         for rank in range(8):
@@ -210,3 +216,48 @@ def test_hardware_fault_drains_the_node_and_training_goes_on(
             subprocess.run(
                 ["scontrol", "update", f"nodename={e['node']}", "state=resume"], timeout=10
             )
+
+
+def test_network_check_finds_cut_and_slow_links(local_slurm: LocalSlurm, shared_tmp: Path) -> None:
+    """node4's fabric link is cut, node3's is slow; the control network works for both.
+
+    Workers and probes use the fabric (GLOO_SOCKET_IFNAME=eth1), as NCCL would use InfiniBand.
+    """
+    local_slurm.slow_link("node3", rate="50mbit", net="data")
+    local_slurm.cut_link("node4", net="data")
+    try:
+        job = sbatch(
+            shared_tmp,
+            4,
+            "--nnodes=2:4",
+            "--nproc-per-node=1",
+            "--network-check",
+            "--exclude-straggler",
+            *_train_args(shared_tmp, steps=10),
+            master_opts="--netcheck-timeout=15",
+            env={"GLOO_SOCKET_IFNAME": "eth1"},
+        )
+        fields = wait_job(job, timeout_s=240)
+    finally:
+        local_slurm.heal_link("node4", net="data")
+        local_slurm.unslow_link("node3", net="data")
+    out = (shared_tmp / f"slurm-{job}.out").read_text()
+    evs = events(_job_dir(shared_tmp, job))
+    try:
+        assert fields["JobState"] == "COMPLETED", out[-4000:]
+        checks = named(evs, "netcheck_result")
+        assert checks and checks[-1]["final"], out[-3000:]
+        # The cut link is pinned down in at most two rounds; a third may re-time a straggler.
+        found = next(e for e in checks if "node4" in e["faulty"])
+        assert found["round"] <= 2 and found["faulty"] == ["node4"], checks
+        last = checks[-1]
+        assert last["faulty"] == ["node4"] and last["stragglers"] == ["node3"], last
+        assert set(last["timings"]) >= {"node1", "node2", "node3"}
+        assert last["timings"]["node3"] > 2 * last["median_s"]
+        assert sorted(e["node"] for e in named(evs, "node_drained")) == ["node3", "node4"]
+        assert sorted(_last_round_nodes(evs)) == ["node1", "node2"]
+        assert "DRAIN" in node_state(show_node("node4"))[1]
+        assert show_node("node4")["Reason"].startswith("dlrover-hpc: faulty in the network check")
+    finally:
+        for node in ("node3", "node4"):
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], timeout=10)

@@ -15,6 +15,7 @@ from pathlib import Path
 from dlrover_hpc.agent.diagnose import Diagnoser
 from dlrover_hpc.agent.workers import WorkerFailure, WorkerGroup
 from dlrover_hpc.cli.run_args import RunConfig
+from dlrover_hpc.netcheck.probe import run_probe_subprocess
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
 from dlrover_hpc.slurm.env import parse_slurm_env
@@ -72,6 +73,8 @@ class Agent:
                 slurm_node_id=slurm.node_id if slurm else None,
                 topology_addr=slurm.topology_addr if slurm else None,
                 agent_id=self.agent_id or None,
+                network_check=self.config.network_check,
+                exclude_straggler=self.config.exclude_straggler,
             ),
             m.JoinReply,
             timeout_s=30,
@@ -125,6 +128,9 @@ class Agent:
                     "job finished exit_code=%d reason=%s", assignment.exit_code, assignment.reason
                 )
                 return assignment.exit_code
+            if status is m.NodeStatus.NETCHECK:
+                await self._probe(assignment)
+                continue
             if status is m.NodeStatus.EXCLUDED:
                 log.error("this node is excluded from the job: %s", assignment.reason)
                 return 1
@@ -187,6 +193,39 @@ class Agent:
             )
         await self._stop_workers()
         return outcome
+
+    async def _probe(self, a: m.Assignment) -> None:
+        """One network-check probe with this round's partner(s); the result goes to the master."""
+        assert self.client is not None
+        result = await asyncio.to_thread(
+            run_probe_subprocess,
+            group_rank=a.group_rank,
+            group_size=a.group_size,
+            store_host=a.store_host,
+            store_port=a.store_port,
+            timeout_s=a.check_timeout_s,
+            is_store_host=False,
+            prefix=a.check_prefix,
+            env=dict(os.environ),
+        )
+        log.info(
+            "network probe round=%d ok=%s check_s=%s error=%s",
+            a.check_round,
+            result.ok,
+            result.check_s,
+            result.error,
+        )
+        await self.client.request(
+            m.NetcheckReport(
+                agent_id=self.agent_id,
+                check_round=a.check_round,
+                ok=result.ok,
+                check_s=result.check_s,
+                error=result.error[:500],
+            ),
+            m.Ack,
+            timeout_s=30,
+        )
 
     async def _report_logged_hardware_fault(self, a: m.Assignment) -> None:
         assert self.client is not None

@@ -73,6 +73,12 @@ def register_master(sub: argparse._SubParsersAction) -> None:
         default=float(env_default("last_call", "3") or 3),
         help="seconds to wait for more nodes once MIN have joined (default 3)",
     )
+    p.add_argument(
+        "--netcheck-timeout",
+        type=float,
+        default=float(env_default("netcheck_timeout", "30") or 30),
+        help="seconds a network-check probe may take before its group counts as failed",
+    )
     p.set_defaults(func=_master)
 
 
@@ -94,6 +100,7 @@ def master_config(args: argparse.Namespace) -> MasterConfig:
         max_restarts=args.max_restarts,
         heartbeat_timeout_s=args.heartbeat_timeout,
         last_call_s=args.last_call,
+        netcheck_timeout_s=args.netcheck_timeout,
     )
 
 

@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 from dlrover_hpc.config import DrainMode, MasterConfig
 from dlrover_hpc.master.journal import EventLog, Journal
+from dlrover_hpc.master.netcheck import NetcheckRun
+from dlrover_hpc.netcheck.analysis import CheckVerdict
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.rendezvous.ranking import RankInput, rank_nodes
 from dlrover_hpc.rendezvous.state import DecisionKind, RdzvParams, Waiter, decide
@@ -55,6 +57,7 @@ class NodeRecord:
     disconnected_at: float | None = None
     waiter: asyncio.Future[m.Assignment] | None = None
     assignment: m.Assignment | None = None  # of the newest round it was in
+    pending: m.Assignment | None = None  # a task for its next WaitRound (network check)
 
 
 class StoreFactory(Protocol):
@@ -111,6 +114,10 @@ class Job:
         self._commits: dict[tuple[str, int], set[int]] = {}
         self.finished = asyncio.Event()
         self._stop_signal = ""
+        self.network_check = False  # turned on by any agent started with --network-check
+        self.exclude_straggler = False
+        self._check: NetcheckRun | None = None
+        self._checked: tuple[int, frozenset[str]] = (0, frozenset())  # (round, passed agents)
         if journal is not None:
             self._resume(journal.load())
         self._emit("job_started", job_id=config.job_id, nnodes=str(config.nnodes))
@@ -165,6 +172,8 @@ class Job:
             last_seen=now,
         )
         self.nodes[agent_id] = rec
+        self.network_check |= msg.network_check
+        self.exclude_straggler |= msg.exclude_straggler
         log.info("agent joined agent=%s node=%s excluded=%s", agent_id, msg.node, excluded)
         if self.state is JobState.RUNNING and not excluded:
             log.info("spare waiting agent=%s", agent_id)
@@ -199,9 +208,27 @@ class Job:
             rec.joined_at = self._clock()
         if rec.waiter is not None and not rec.waiter.done():
             rec.waiter.cancel()
+        if rec.pending is not None:  # a network-check task handed out while it was busy
+            fut.set_result(rec.pending)
+            rec.pending = None
+            return fut
         rec.waiter = fut
         self.poke()
         return fut
+
+    def _deliver(self, agent_id: str, assignment: m.Assignment) -> None:
+        rec = self.nodes[agent_id]
+        if rec.waiter is not None and not rec.waiter.done():
+            rec.waiter.set_result(assignment)
+        else:
+            rec.pending = assignment
+
+    def netcheck_report(self, msg: m.NetcheckReport) -> m.Ack:
+        self._record_of(msg.agent_id)
+        if self._check is not None:
+            self._check.report(msg.agent_id, msg)
+            self.poke()
+        return m.Ack()
 
     def heartbeat(self, msg: m.Heartbeat) -> m.HeartbeatReply:
         rec = self._record_of(msg.agent_id)
@@ -394,6 +421,12 @@ class Job:
             return None
         if self.state is not JobState.RENDEZVOUS:
             return None
+        if self._check is not None:
+            self._check.step()
+            if not self._check.done:
+                return self._check.deadline
+            self._apply_check(self._check)
+            self._check = None
         now = self._clock()
         waiting = [
             n
@@ -417,7 +450,22 @@ class Job:
             now=now,
         )
         if decision.kind is DecisionKind.COMPLETE:
-            self._complete([self.nodes[a] for a in decision.chosen])
+            chosen = [self.nodes[a] for a in decision.chosen]
+            if self._needs_check(chosen):
+                ranked = rank_nodes([_rank_input(n) for n in chosen], self._topology)
+                generation = self.round + 1
+                self._check = NetcheckRun(
+                    agents=[r.agent_id for r in ranked],
+                    generation=generation,
+                    new_store=lambda: self._stores.new_store(generation),
+                    store_host=self._store_host,
+                    timeout_s=self.config.netcheck_timeout_s,
+                    deliver=self._deliver,
+                    on_round=self._netcheck_round,
+                    clock=self._clock,
+                )
+                return self._check.deadline
+            self._complete(chosen)
             return None
         if decision.kind is DecisionKind.TIMEOUT:
             self.finish(
@@ -426,24 +474,61 @@ class Job:
             return None
         return decision.wake_at
 
+    def _needs_check(self, chosen: list[NodeRecord]) -> bool:
+        """Check before every start and restart, once per round, if any agent asked."""
+        if not self.network_check or len(chosen) < 2:
+            return False
+        checked_round, passed = self._checked
+        return checked_round != self.round + 1 or not {n.agent_id for n in chosen} <= passed
+
+    def _netcheck_round(self, index: int, verdict: CheckVerdict, final: bool) -> None:
+        """``netcheck_result`` after every check round: what is known so far."""
+        run = self._check
+        name = {a: self.nodes[a].node for a in (run.agents if run else self.nodes)}
+        self._emit(
+            "netcheck_result",
+            round=index,
+            generation=self.round + 1,
+            final=final,
+            faulty=sorted(name[a] for a in verdict.faulty),
+            stragglers=sorted(name[a] for a in verdict.stragglers),
+            unresolved=sorted(name[a] for a in verdict.unresolved),
+            timings={name[a]: round(t, 4) for a, t in verdict.timings_s.items()},
+            median_s=verdict.median_s,
+            seconds=round(self._clock() - run.started, 3) if run else None,
+        )
+
+    def _apply_check(self, run: NetcheckRun) -> None:
+        verdict = run.verdict
+        assert verdict is not None
+        name = {a: self.nodes[a].node for a in run.agents}
+        removed = {a: "faulty in the network check" for a in verdict.faulty}
+        if self.exclude_straggler:
+            for a in verdict.stragglers:
+                removed.setdefault(
+                    a,
+                    f"straggler in the network check ({verdict.timings_s.get(a, 0):.3f} s "
+                    f"vs median {verdict.median_s or 0:.3f} s)",
+                )
+        log.info(
+            "network check done faulty=%s stragglers=%s rounds=%d",
+            sorted(name[a] for a in verdict.faulty),
+            sorted(name[a] for a in verdict.stragglers),
+            verdict.rounds_used,
+        )
+        for agent, reason in removed.items():
+            self.exclude(name[agent], reason)
+            if self._remove_node is not None and self.config.drain is not DrainMode.OFF:
+                self._remove_node(name[agent], reason)
+        self._checked = (run.generation, frozenset(run.agents) - set(removed))
+
     def _complete(self, chosen: list[NodeRecord]) -> None:
         previous = {
             n.agent_id for n in self.nodes.values() if n.round == self.round and n.rank >= 0
         }
         first_round = self.round == 0 or not previous
         self.round += 1
-        ranked = rank_nodes(
-            [
-                RankInput(
-                    agent_id=n.agent_id,
-                    node=n.node,
-                    slurm_node_id=n.slurm_node_id,
-                    topology_addr=n.topology_addr,
-                )
-                for n in chosen
-            ],
-            self._topology,
-        )
+        ranked = rank_nodes([_rank_input(n) for n in chosen], self._topology)
         self._store_port = self._stores.new_store(self.round)
         world = sum(n.nproc for n in chosen)
         names = [r.node for r in ranked]
@@ -502,3 +587,12 @@ class Job:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
                     await self._changed.wait()
+
+
+def _rank_input(n: NodeRecord) -> RankInput:
+    return RankInput(
+        agent_id=n.agent_id,
+        node=n.node,
+        slurm_node_id=n.slurm_node_id,
+        topology_addr=n.topology_addr,
+    )

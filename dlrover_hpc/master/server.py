@@ -119,6 +119,7 @@ class MasterServer:
             m.CheckpointPart: self.job.checkpoint_part,
             m.StatusRequest: lambda _msg: self.job.status(),
             m.Event: self._event,
+            m.NetcheckReport: self.job.netcheck_report,
         }
 
     def _remove_node(self, node: str, reason: str) -> None:

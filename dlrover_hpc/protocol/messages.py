@@ -19,6 +19,7 @@ class NodeStatus(Enum):
     SPARE = "spare"  # hot spare: keep waiting
     FINISHED = "finished"  # the job is over: exit with exit_code
     EXCLUDED = "excluded"  # quarantined or drained: exit
+    NETCHECK = "netcheck"  # run a network-check probe with this group, report, wait again
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,6 +37,8 @@ class Join(Message):
     slurm_node_id: int | None = None
     topology_addr: str | None = None
     agent_id: str | None = None  # set when an agent re-joins a restarted master
+    network_check: bool = False  # --network-check: probe before every (re)start
+    exclude_straggler: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +74,22 @@ class Assignment(Message):
     run_id: str = ""
     exit_code: int = 0
     reason: str = ""
+    # status "netcheck": this node's place in a probe group (store_host/port: the group's store)
+    check_round: int = 0
+    group_rank: int = 0
+    group_size: int = 0
+    check_prefix: str = ""
+    check_timeout_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class NetcheckReport(Message):
+    TYPE: ClassVar[str] = "netcheck_report"
+    agent_id: str
+    check_round: int
+    ok: bool
+    check_s: float | None
+    error: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -198,6 +217,7 @@ REGISTRY: dict[str, type[Message]] = {
         Event,
         RoundChanged,
         ErrorReply,
+        NetcheckReport,
     )
 }
 
