@@ -1,0 +1,290 @@
+"""Checkpointers whose persisted files are torch.save archives: DDP and per-rank.
+
+`DdpCheckpointer` (DLRover's name and semantics): the state is the same on every rank, so
+local rank 0 of each node keeps it in memory and global rank 0's copy goes to storage as one
+file that plain `torch.load(path)` reads.  `RankCheckpointer`: every rank saves its own state
+dict (nested dicts and lists, tensors, Python scalars, optimizer state) as
+`path/rank_<rank>.pt`, and a step is committed when all ranks' files are durable.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import math
+import posixpath
+import time
+from typing import Any
+
+import torch
+
+from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
+from dlrover_hpc.checkpoint.engine import Engine
+from dlrover_hpc.checkpoint.env import WorkerEnv
+from dlrover_hpc.checkpoint.link import SaverLink
+from dlrover_hpc.checkpoint.persist import file_path
+from dlrover_hpc.checkpoint.restore import (
+    Agreement,
+    Source,
+    choose,
+    merge_into,
+    views_from_file,
+    views_from_segment,
+    with_fallback,
+)
+from dlrover_hpc.checkpoint.shm import HEADER_SIZE, Segment
+from dlrover_hpc.checkpoint.torchfile import (
+    ARCHIVE,
+    MANIFEST,
+    TorchFileLayout,
+    buffer_view,
+    manifest_bytes,
+    pickle_state,
+    tensor_signature,
+)
+from dlrover_hpc.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+
+class _TorchFileCheckpointer(abc.ABC):
+    """Shared by the checkpointers that persist torch.save archives."""
+
+    kind: PartKind
+
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        *,
+        keep_last: int | None = None,
+        copy_threads: int | None = None,
+        io_threads: int = 4,
+        tag: str = "",
+        verify: bool = True,
+        weights_only: bool = True,
+        events: EventSink | None = None,
+        env: WorkerEnv | None = None,
+        link: SaverLink | None = None,
+    ) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self.verify = verify
+        self.weights_only = weights_only
+        self._engine = Engine(
+            checkpoint_dir,
+            kind=self.kind,
+            env=env,
+            keep_last=keep_last,
+            copy_threads=copy_threads,
+            io_threads=io_threads,
+            tag=tag,
+            events=events,
+            link=link,
+        )
+        self._layout: TorchFileLayout | None = None
+        #: (step, "memory" | "storage") of the last successful load_checkpoint()
+        self.last_restored: tuple[int, str] | None = None
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @abc.abstractmethod
+    def _file_name(self) -> str:
+        """The part's file name under the step path ("" when the step path is the file)."""
+
+    @abc.abstractmethod
+    def _default_path(self, step: int) -> str:
+        """The step path used when save_checkpoint gets none."""
+
+    # ------------------------------------------------------------------------ saving
+    def save_checkpoint(
+        self,
+        step: int,
+        state_dict: Any,
+        path: str = "",
+        storage_type: StorageType = StorageType.DISK,
+    ) -> bool:
+        """Copies `state_dict` into shared memory (the only blocking part); with DISK the
+        agent's saver then persists it.  Returns False (with a warning) when the step could
+        not be kept, in which case the previous checkpoint is untouched."""
+        t0 = time.perf_counter()
+        engine = self._engine
+        path = path or self._default_path(step)
+        if not engine.writes_memory:
+            if storage_type == StorageType.DISK:
+                engine.last_disk_step = step
+            return True
+        try:
+            return self._save(step, state_dict, path, storage_type, t0)
+        except CheckpointError as exc:
+            logger.warning(
+                "checkpoint save_failed step=%d error=%s: training continues and the previous "
+                "checkpoint stays intact",
+                step,
+                exc,
+            )
+            engine.emit("checkpoint_save_failed", step=step, error=str(exc))
+            return False
+
+    def _save(self, step: int, state: Any, path: str, storage_type: StorageType, t0: float) -> bool:
+        engine = self._engine
+        pkl, tensors = pickle_state(state)
+        layout = self._layout
+        if layout is None or layout.signature != tensor_signature(tensors):
+            layout = self._layout = TorchFileLayout(tensors)
+        manifest = manifest_bytes(
+            step=step, token=engine.token, rank=engine.env.rank, kind=self.kind.value
+        )
+        tail = layout.tail(pkl, {MANIFEST: manifest})
+        image_len = tail.offset + len(tail.data)
+        pkl_at = tail.records[f"{ARCHIVE}/data.pkl"][0]
+        meta = engine.meta_bytes(
+            step=step,
+            path=path,
+            storage_type=storage_type,
+            files=[[self._file_name(), 0, image_len]],
+            crc=tail.crc_patches,
+            restore={
+                "pickle": [pkl_at, len(pkl)],
+                "slots": {s.key: s.offset for s in layout.slots},
+            },
+        )
+        seg, waited = engine.acquire(image_len, len(meta) + 4096)
+        try:
+            seq = seg.begin_write()
+            views = self._views(seg, layout)
+            engine.copier.copy(list(zip(views, tensors, strict=True)))
+            assert seg.mm is not None
+            seg.mm[HEADER_SIZE + tail.offset : HEADER_SIZE + image_len] = tail.data
+            engine.finish(seg, seq=seq, step=step, image_len=image_len, meta=meta)
+        except BaseException:
+            seg.invalidate()
+            raise
+        finally:
+            seg.unlock()
+        blocking = time.perf_counter() - t0
+        logger.debug("checkpoint saved step=%d seconds=%.4f waited=%.4f", step, blocking, waited)
+        return engine.after_write(seg, step=step, storage_type=storage_type, blocking_s=blocking)
+
+    @staticmethod
+    def _views(seg: Segment, layout: TorchFileLayout) -> list[torch.Tensor]:
+        """Tensor views of the layout's slots in `seg`, cached with the mapping."""
+        cached = seg.views
+        if cached is not None and cached[0] is layout:
+            return list(cached[1])
+        assert seg.mm is not None
+        for at, header in layout.headers:
+            seg.mm[HEADER_SIZE + at : HEADER_SIZE + at + len(header)] = header
+        views = [
+            buffer_view(seg.mm, HEADER_SIZE + s.offset, s.dtype, math.prod(s.shape)).view(s.shape)
+            for s in layout.slots
+        ]
+        seg.views = (layout, views)
+        return views
+
+    # ------------------------------------------------------------------------ loading
+    def load_checkpoint(
+        self,
+        resume_path: str = "",
+        *,
+        state_dict: Any = None,
+        weights_only: bool | None = None,
+        memory: bool = True,
+    ) -> dict[str, Any]:
+        """The newest consistent step: from memory when every rank holds it, else the newest
+        committed step on storage ({} when there is none).  Tensors are copied into the
+        matching tensors of `state_dict` when given, else into fresh memory.  Every rank must
+        call it; `memory=False` reads storage only; `resume_path` reads that file."""
+        t0 = time.perf_counter()
+        wo = self.weights_only if weights_only is None else weights_only
+        engine = self._engine
+        if resume_path:
+            buf = engine.storage.map_file(engine.storage.path(resume_path))
+            views = views_from_file(buf, verify=self.verify, weights_only=wo)
+            return merge_into(views, state_dict, engine.copier)
+        in_memory = engine.memory_steps() if memory else {}
+        records = {r.step: r for r in engine.cdir.records()}
+        agreement = Agreement()
+        choice = choose(
+            agreement,
+            memory=set(in_memory),
+            committed=sorted(records, reverse=True),
+            token=engine.token,
+        )
+        engine.set_token(choice.token)
+        result: Any = None
+        step = choice.step
+        if choice.source == Source.MEMORY:
+            ms = in_memory[step]
+            ms.segment.lock(exclusive=False)
+            try:
+                views = views_from_segment(ms.segment.mm, ms.header, weights_only=wo)
+                result = merge_into(views, state_dict, engine.copier)
+            finally:
+                ms.segment.unlock()
+            engine.persist_restored(ms, records)
+        elif choice.source == Source.STORAGE:
+
+            def load(s: int) -> tuple[Any, int]:
+                record = records[s]
+                path = file_path(engine.storage.path(record.path), self._file_name())
+                buf = engine.storage.map_file(path)
+                views = views_from_file(
+                    buf,
+                    verify=self.verify,
+                    weights_only=wo,
+                    expect={"step": s, "token": record.token},
+                )
+                return merge_into(views, state_dict, engine.copier), record.token
+
+            step, result = with_fallback(agreement, list(records), choice.step, load)
+        for ms in in_memory.values():
+            if ms.segment.path != engine.segment_path(ms.buffer):
+                ms.segment.close()
+        if result is None:
+            logger.info("checkpoint restore_none: no checkpoint in memory or storage")
+            return {}
+        source = choice.source.value if step == choice.step else Source.STORAGE.value
+        seconds = time.perf_counter() - t0
+        logger.info("checkpoint restored step=%d source=%s seconds=%.3f", step, source, seconds)
+        self.last_restored = (step, source)
+        engine.prefault_in_background()
+        engine.emit("checkpoint_restored", step=step, source=source, restore_s=round(seconds, 6))
+        return result if isinstance(result, dict) else {"state": result}
+
+    def wait_latest_checkpoint(self, timeout_s: float = 1800.0) -> bool:
+        """Until the newest DISK save is committed on storage; False on timeout or failure."""
+        step = self._engine.last_disk_step
+        if step is None:
+            return True
+        return self._engine.wait_committed(step, timeout_s)
+
+    def close(self, *, remove_segments: bool | None = None) -> None:
+        """Finishes this process's persists (without an agent) and releases the segments;
+        they are removed unless an agent owns them (see `Engine.close`)."""
+        self._engine.close(remove_segments=remove_segments)
+
+
+class DdpCheckpointer(_TorchFileCheckpointer):
+    """Flash checkpoints of a replicated (DDP) state dict; `torch.load(path)` reads a
+    persisted one."""
+
+    kind = PartKind.DDP
+
+    def _file_name(self) -> str:
+        return ""
+
+    def _default_path(self, step: int) -> str:
+        return posixpath.join(self.checkpoint_dir, f"checkpoint-{step}.pt")
+
+
+class RankCheckpointer(_TorchFileCheckpointer):
+    """Flash checkpoints of each rank's own state dict; `path/rank_<rank>.pt` per rank."""
+
+    kind = PartKind.RANK
+
+    def _file_name(self) -> str:
+        return f"rank_{self._engine.env.rank:05d}.pt"
+
+    def _default_path(self, step: int) -> str:
+        return posixpath.join(self.checkpoint_dir, f"checkpoint-{step}")

@@ -1,0 +1,301 @@
+"""Shared-memory segments: one file in /dev/shm per saving rank and buffer.
+
+Layout: a 4 KiB header, then the image (the bytes that become the checkpoint file(s)), then a
+JSON description ("meta") of the image.  The header holds the step, the state and CRC-32s of
+itself and of the meta; the saver adds the data CRCs while persisting.
+
+Concurrency is by `flock` on the segment file, which the kernel drops when a process dies:
+the trainer writes under LOCK_EX; the saver holds LOCK_SH from the moment it accepts a persist
+request until the step is durable, so a pending step is never overwritten.  A writer that dies
+mid-copy leaves state WRITING, which no reader accepts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import enum
+import errno
+import fcntl
+import functools
+import json
+import logging
+import mmap
+import os
+import re
+import struct
+import time
+import zlib
+from typing import Any
+
+from dlrover_hpc.checkpoint.env import BUFFERS
+from dlrover_hpc.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"DLRHPCK\x01"
+VERSION = 1
+HEADER_SIZE = 4096
+#: magic version state seq step image_len meta_off meta_len meta_crc head_crc written_at
+_HEAD = struct.Struct("<8sIIQqQQQIId")
+_STATE_AT = 12
+_CRC_SPAN = (16, 56)  # seq .. meta_crc
+_HEAD_CRC_AT = 60
+MADV_POPULATE_WRITE = 23
+
+
+class State(enum.IntEnum):
+    EMPTY = 0
+    WRITING = 1
+    COMPLETE = 2
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Header:
+    """A complete segment's header and meta, as read under a lock."""
+
+    step: int
+    seq: int
+    image_len: int
+    written_at: float
+    meta: dict[str, Any]
+
+
+def read_header(buf: Any) -> Header | None:
+    """The segment's header if it holds a complete, intact step; else None."""
+    view = memoryview(buf)
+    if len(view) < HEADER_SIZE:
+        return None
+    magic, version, state, seq, step, image_len, meta_off, meta_len, meta_crc, head_crc, at = (
+        _HEAD.unpack_from(view, 0)
+    )
+    if magic != MAGIC or version != VERSION or state != State.COMPLETE:
+        return None
+    if zlib.crc32(view[_CRC_SPAN[0] : _CRC_SPAN[1] + 4]) != head_crc:
+        return None
+    if meta_off + meta_len > len(view) or HEADER_SIZE + image_len > meta_off:
+        return None
+    raw = view[meta_off : meta_off + meta_len]
+    if zlib.crc32(raw) != meta_crc:
+        return None
+    try:
+        meta = json.loads(bytes(raw))
+    except ValueError:
+        return None
+    if meta.get("step") != step:
+        return None
+    return Header(step=step, seq=seq, image_len=image_len, written_at=at, meta=meta)
+
+
+def meta_offset(image_len: int) -> int:
+    return HEADER_SIZE + (image_len + 63) // 64 * 64
+
+
+def needed_size(image_len: int, meta_len: int) -> int:
+    """Segment size for an image and meta, rounded up to 2 MiB with a little headroom."""
+    raw = meta_offset(image_len) + meta_len + max(64 << 10, image_len // 512)
+    return (raw + (2 << 20) - 1) // (2 << 20) * (2 << 20)
+
+
+class Segment:
+    """A segment mapped read-write by its owning trainer, or read-only by anyone else.
+
+    `private` maps a read-only segment copy-on-write, so torch can build views over it.
+    """
+
+    def __init__(self, path: str, *, writable: bool, private: bool = False) -> None:
+        self.path = path
+        self.writable = writable
+        self.private = private
+        flags = os.O_RDWR | os.O_CREAT if writable else os.O_RDONLY
+        self.fd = os.open(path, flags, 0o600)
+        self.mm: mmap.mmap | None = None
+        self.size = 0
+        self.inode = os.fstat(self.fd).st_ino
+        self._locked = 0
+        #: cached tensor views over `mm` (owned by the engine); dropped before a remap
+        self.views: Any = None
+        self._map(os.fstat(self.fd).st_size)
+
+    def _map(self, size: int) -> None:
+        self.views = None
+        if self.mm is not None:
+            self.mm.close()
+            self.mm = None
+        self.size = size
+        if size:
+            access = mmap.ACCESS_WRITE if self.writable else mmap.ACCESS_READ
+            if self.private:
+                access = mmap.ACCESS_COPY
+            self.mm = mmap.mmap(self.fd, size, access=access)
+
+    # -- locking -------------------------------------------------------------------------------
+    def try_lock(self, exclusive: bool) -> bool:
+        op = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+        try:
+            fcntl.flock(self.fd, op)
+        except BlockingIOError:
+            return False
+        self._locked = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        return True
+
+    def lock(self, exclusive: bool) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        self._locked = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+
+    def unlock(self) -> None:
+        if self._locked:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            self._locked = 0
+
+    # -- writer side -------------------------------------------------------------------------
+    def ensure_size(self, size: int) -> bool:
+        """Grows (never shrinks) the segment under LOCK_EX; True if it was remapped.
+
+        Space is reserved with posix_fallocate, so a full /dev/shm is an error here, not a
+        SIGBUS in the middle of a copy.
+        """
+        if size <= self.size:
+            return False
+        try:
+            os.posix_fallocate(self.fd, 0, size)
+        except OSError as exc:
+            free = _free_bytes(os.path.dirname(self.path))
+            raise CheckpointError(
+                f"cannot reserve {size / 2**30:.2f} GiB of shared memory for {self.path} "
+                f"({os.strerror(exc.errno or errno.EIO)}; {free / 2**30:.2f} GiB free in "
+                f"{os.path.dirname(self.path)}); free space there or enlarge the tmpfs"
+            ) from exc
+        self._map(size)
+        return True
+
+    def prefault(self) -> None:
+        """Populates the page tables for writing, off the training path.
+
+        Through ctypes, which releases the GIL (mmap.madvise holds it for the whole call,
+        stalling the training thread); kernels without MADV_POPULATE_WRITE skip it.
+        """
+        if self.mm is None or not self.writable:
+            return
+        anchor = ctypes.c_char.from_buffer(self.mm)
+        address = ctypes.addressof(anchor)
+        del anchor  # no export held during the call
+        if _libc().madvise(address, self.size, MADV_POPULATE_WRITE) != 0:
+            err = ctypes.get_errno()
+            logger.debug("shm prefault_unsupported path=%s error=%s", self.path, os.strerror(err))
+
+    def begin_write(self) -> int:
+        assert self.mm is not None
+        seq = struct.unpack_from("<Q", self.mm, 16)[0] + 1
+        struct.pack_into("<8sIIQ", self.mm, 0, MAGIC, VERSION, State.WRITING, seq)
+        return seq
+
+    def finish_write(self, *, seq: int, step: int, image_len: int, meta: bytes) -> None:
+        assert self.mm is not None
+        off = meta_offset(image_len)
+        if off + len(meta) > self.size:
+            raise CheckpointError(
+                f"checkpoint metadata ({len(meta)} bytes) does not fit in {self.path}"
+            )
+        self.mm[off : off + len(meta)] = meta
+        fields = (MAGIC, VERSION, State.WRITING, seq, step, image_len, off, len(meta))
+        struct.pack_into("<8sIIQqQQQI", self.mm, 0, *fields, zlib.crc32(meta))
+        head_crc = zlib.crc32(self.mm[_CRC_SPAN[0] : _CRC_SPAN[1] + 4])
+        struct.pack_into("<Id", self.mm, _HEAD_CRC_AT, head_crc, time.time())
+        struct.pack_into("<I", self.mm, _STATE_AT, State.COMPLETE)
+
+    def invalidate(self) -> None:
+        """Marks the segment as holding no step (a failed write leaves no half state)."""
+        if self.mm is not None and self.size >= HEADER_SIZE:
+            struct.pack_into("<I", self.mm, _STATE_AT, State.WRITING)
+
+    # -- reader side -------------------------------------------------------------------------
+    def header(self) -> Header | None:
+        return read_header(self.mm) if self.mm is not None else None
+
+    def stale(self) -> bool:
+        """True when the file at `path` was replaced or resized since we mapped it."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return True
+        return st.st_ino != self.inode or st.st_size != self.size
+
+    def remap_if_grown(self) -> None:
+        size = os.fstat(self.fd).st_size
+        if size != self.size:
+            self._map(size)
+
+    def close(self) -> None:
+        self.unlock()
+        self.views = None
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:  # a caller still holds views; the GC unmaps it later
+                logger.debug("shm close_deferred path=%s", self.path)
+            self.mm = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+@functools.cache
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc
+
+
+def _free_bytes(directory: str) -> int:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+_NAME = re.compile(r"^r(?P<rank>\d+)(?:-(?P<tag>[A-Za-z0-9_.]+))?-(?P<buf>[ab])$")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SegmentName:
+    path: str
+    rank: int
+    buffer: int
+    tag: str
+
+
+def list_segments(shm_dir: str, prefix: str) -> list[SegmentName]:
+    """This job's and node's segments in `shm_dir` (names from `env.segment_name`)."""
+    found = []
+    try:
+        names = os.listdir(shm_dir)
+    except FileNotFoundError:
+        return []
+    for name in sorted(names):
+        if not name.startswith(prefix):
+            continue
+        m = _NAME.match(name[len(prefix) :])
+        if m:
+            found.append(
+                SegmentName(
+                    path=os.path.join(shm_dir, name),
+                    rank=int(m["rank"]),
+                    buffer=BUFFERS.index(m["buf"]),
+                    tag=m["tag"] or "",
+                )
+            )
+    return found
+
+
+def unlink_segments(shm_dir: str, prefix: str) -> list[str]:
+    removed = []
+    for seg in list_segments(shm_dir, prefix):
+        try:
+            os.unlink(seg.path)
+            removed.append(seg.path)
+        except FileNotFoundError:
+            pass
+    return removed
