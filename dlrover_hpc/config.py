@@ -106,8 +106,10 @@ class MasterConfig:
     heartbeat_timeout_s: float = 15.0
     last_call_s: float = 3.0
     rendezvous_timeout_s: float = 600.0
-    min_nodes_timeout_s: float = 600.0
+    min_nodes_timeout_s: float = 300.0
     netcheck_timeout_s: float = 30.0
+    replacement_sbatch: str | None = None  # template of replacement jobs; None: no replacements
+    requeue: bool = True  # below MIN nodes for min_nodes_timeout_s: scontrol requeue (Slurm)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

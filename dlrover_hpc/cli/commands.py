@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dlrover_hpc.config import DrainMode, MasterConfig, NodeRange, env_default
-from dlrover_hpc.errors import ConfigError, DlroverHpcError
+from dlrover_hpc.errors import ConfigError
 
 
 def register_master(sub: argparse._SubParsersAction) -> None:
@@ -79,6 +79,24 @@ def register_master(sub: argparse._SubParsersAction) -> None:
         default=float(env_default("netcheck_timeout", "30") or 30),
         help="seconds a network-check probe may take before its group counts as failed",
     )
+    p.add_argument(
+        "--replacement-sbatch",
+        default=env_default("replacement_sbatch", None),
+        help="sbatch template of replacement jobs (sbatch/replacement.sbatch; train.sbatch "
+        "sets it); 'off' disables replacement jobs",
+    )
+    p.add_argument(
+        "--min-nodes-timeout",
+        type=float,
+        default=float(env_default("min_nodes_timeout", "300") or 300),
+        help="seconds below MIN nodes before the job is requeued (default 300)",
+    )
+    p.add_argument(
+        "--requeue",
+        action=argparse.BooleanOptionalAction,
+        default=(env_default("requeue", "1") or "1") not in ("0", "false", "no"),
+        help="under Slurm, requeue the job when it stays below MIN nodes (default on)",
+    )
     p.set_defaults(func=_master)
 
 
@@ -101,6 +119,11 @@ def master_config(args: argparse.Namespace) -> MasterConfig:
         heartbeat_timeout_s=args.heartbeat_timeout,
         last_call_s=args.last_call,
         netcheck_timeout_s=args.netcheck_timeout,
+        replacement_sbatch=None
+        if args.replacement_sbatch in (None, "", "off")
+        else args.replacement_sbatch,
+        min_nodes_timeout_s=args.min_nodes_timeout,
+        requeue=args.requeue,
     )
 
 
@@ -153,9 +176,9 @@ def register_launch(sub: argparse._SubParsersAction) -> None:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    if args.spares < 0:
-        raise ConfigError(f"--spares={args.spares}: must be 0 or more")
-    raise DlroverHpcError("bare-metal launch over SSH is not available in this release yet")
+    from dlrover_hpc.ssh.cli import run_launch  # asyncssh and torch: only when used
+
+    return run_launch(args)
 
 
 def register_status(sub: argparse._SubParsersAction) -> None:

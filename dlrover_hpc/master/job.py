@@ -22,7 +22,7 @@ from dlrover_hpc.master.netcheck import NetcheckRun
 from dlrover_hpc.netcheck.analysis import CheckVerdict
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.rendezvous.ranking import RankInput, rank_nodes
-from dlrover_hpc.rendezvous.state import DecisionKind, RdzvParams, Waiter, decide
+from dlrover_hpc.rendezvous.state import DecisionKind, RdzvParams, Waiter, decide, usable_count
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,8 @@ class Job:
         events: EventLog | None = None,
         journal: Journal | None = None,
         remove_node: Callable[[str, str], None] | None = None,
+        request_replacement: Callable[[int, list[str]], None] | None = None,
+        requeue: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.params = RdzvParams(
@@ -100,6 +102,10 @@ class Job:
         self._events = events
         self._journal = journal
         self._remove_node = remove_node
+        self._request_replacement, self._requeue = request_replacement, requeue
+        self._losses = 0  # nodes lost or excluded so far
+        self._losses_replaced = 0  # ... for which replacements were requested
+        self._below_min_since: float | None = None
         self.nodes: dict[str, NodeRecord] = {}
         self.state = JobState.RENDEZVOUS
         self.round = 0
@@ -352,9 +358,50 @@ class Job:
             if silent or gone:
                 self.node_lost(rec, "no heartbeat" if silent else "connection closed")
 
+    def check_capacity(self) -> None:
+        """After hot spares: ask for a replacement job; below MIN for too long: requeue."""
+        if self.state is JobState.FINISHED or self.round == 0:
+            return
+        now = self._clock()
+        usable = (NodeState.WAITING, NodeState.ACTIVE, NodeState.DONE)
+        alive = [n for n in self.nodes.values() if n.state in usable]
+        if (
+            self._losses > self._losses_replaced
+            and len(alive) < self.params.max_nodes
+            and self._request_replacement is not None
+        ):
+            self._losses_replaced = self._losses
+            # Not on a node this job holds or has given up: Slurm shares nodes by default.
+            avoid = {n.node for n in self.nodes.values()} | self.excluded_nodes
+            self._request_replacement(self.params.max_nodes - len(alive), sorted(avoid))
+        if len(alive) >= self.params.min_nodes:
+            self._below_min_since = None
+            return
+        if self._below_min_since is None:
+            self._below_min_since = now
+        waited = now - self._below_min_since
+        if waited >= self.config.min_nodes_timeout_s and self._requeue is not None:
+            reason = f"fewer than {self.params.min_nodes} nodes for {waited:.0f} s"
+            self._requeue(reason)
+            self.finish(1, f"requeued: {reason}")
+
+    def _scale_up(self) -> None:
+        """Running below MAX and new agents (replacements) wait: take them in."""
+        current = [n for n in self.nodes.values() if n.round == self.round and n.rank >= 0]
+        if any(n.state is not NodeState.ACTIVE for n in current):
+            return
+        ready = [
+            n
+            for n in self.nodes.values()
+            if n.state is NodeState.WAITING and n.waiter is not None and not n.waiter.done()
+        ]
+        if ready and usable_count(self.params, len(current) + len(ready)) > len(current):
+            self.open_round(f"scale up: {len(ready)} more node(s) waiting")
+
     def node_lost(self, rec: NodeRecord, reason: str) -> None:
         was_active = rec.state is NodeState.ACTIVE and rec.round == self.round
         rec.state = NodeState.LOST
+        self._losses += 1
         if rec.waiter is not None and not rec.waiter.done():
             rec.waiter.cancel()
         log.warning("node lost node=%s agent=%s reason=%s", rec.node, rec.agent_id, reason)
@@ -369,6 +416,8 @@ class Job:
         for rec in self.nodes.values():
             if rec.node == node and rec.state is not NodeState.EXCLUDED:
                 active = rec.state is NodeState.ACTIVE
+                if rec.state is not NodeState.LOST:
+                    self._losses += 1
                 rec.state = NodeState.EXCLUDED
                 if rec.waiter is not None and not rec.waiter.done():
                     rec.waiter.set_result(
@@ -419,6 +468,8 @@ class Job:
         if self._stop_signal:
             self.finish(143, f"the master received {self._stop_signal}")
             return None
+        if self.state is JobState.RUNNING:
+            self._scale_up()
         if self.state is not JobState.RENDEZVOUS:
             return None
         if self._check is not None:

@@ -23,8 +23,15 @@ class NodeRemover:
     quarantine list is kept in the job directory (``quarantine.jsonl``).
     """
 
-    def __init__(self, *, mode: DrainMode, job_id: str, job_dir: Path, events: EventLog,
-                 run: slurm.Runner = slurm.run_command) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        mode: DrainMode,
+        job_id: str,
+        job_dir: Path,
+        events: EventLog,
+        run: slurm.Runner = slurm.run_command,
+    ) -> None:
         self.mode, self.job_id, self.events = mode, job_id, events
         self._file = job_dir / "quarantine.jsonl"
         self._run = run
@@ -47,8 +54,10 @@ class NodeRemover:
             admin_command = result.admin_command
             log.warning(
                 "Slurm refused to drain node=%s error=%r; quarantining it. An admin can run: %s",
-                node, result.error, admin_command,
-            )  # fmt: skip
+                node,
+                result.error,
+                admin_command,
+            )
         line = json.dumps({"node": node, "reason": reason, "admin_command": admin_command})
         fd = os.open(self._file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:

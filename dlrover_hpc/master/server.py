@@ -20,6 +20,7 @@ from dlrover_hpc.errors import ConfigError, ProtocolError
 from dlrover_hpc.master.job import Job
 from dlrover_hpc.master.journal import EventLog, Journal, make_job_dir
 from dlrover_hpc.master.policy import NodeRemover
+from dlrover_hpc.master.replace import Replacer
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol import wire
 
@@ -101,7 +102,10 @@ class MasterServer:
             events=self.events,
             journal=Journal(job_dir / "journal.jsonl"),
             remove_node=self._remove_node,
+            request_replacement=self._in_thread(self._replacer_request),
+            requeue=self._in_thread(self._replacer_requeue) if config.requeue else None,
         )
+        self.replacer: Replacer | None = None
         self._remover = NodeRemover(
             mode=config.drain, job_id=config.job_id, job_dir=job_dir, events=self.events
         )
@@ -121,6 +125,22 @@ class MasterServer:
             m.Event: self._event,
             m.NetcheckReport: self.job.netcheck_report,
         }
+
+    def _in_thread(self, fn: Callable[..., None]) -> Callable[..., None]:
+        """Slurm commands must not stall the event loop."""
+
+        def call(*args: Any) -> None:
+            asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+        return call
+
+    def _replacer_request(self, count: int, exclude: list[str]) -> None:
+        if self.replacer is not None:
+            self.replacer.request(count, exclude)
+
+    def _replacer_requeue(self, reason: str) -> None:
+        if self.replacer is not None:
+            self.replacer.requeue(reason)
 
     def _remove_node(self, node: str, reason: str) -> None:
         """Drain or quarantine in a thread: scontrol must not stall the event loop."""
@@ -144,6 +164,14 @@ class MasterServer:
         tmp = self.job_dir / "master.json.tmp"
         tmp.write_text(json.dumps(info))
         os.replace(tmp, self.job_dir / "master.json")
+        if os.environ.get("SLURM_JOB_ID"):  # replacement jobs and requeue need Slurm
+            self.replacer = Replacer(
+                job_id=os.environ["SLURM_JOB_ID"],
+                job_dir=self.job_dir,
+                template=self.config.replacement_sbatch,
+                master_addr=f"{self.advertised_host}:{self.port}",
+                events=self.events,
+            )
         log.info(
             "master listening host=%s port=%d job_dir=%s",
             self.advertised_host,
@@ -239,6 +267,7 @@ class MasterServer:
         while True:
             await asyncio.sleep(0.5)
             self.job.check_liveness()  # O(nodes): on this timer only, not on every change
+            self.job.check_capacity()
             self.job.poke()
 
     async def serve(self, linger_s: float = 10.0) -> int:
@@ -248,6 +277,8 @@ class MasterServer:
         live = asyncio.create_task(self._liveness())
         try:
             await self.job.run()
+            if self.replacer is not None:
+                await asyncio.to_thread(self.replacer.cancel_all)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + linger_s
             while self._writers and loop.time() < deadline:

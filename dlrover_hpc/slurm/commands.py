@@ -86,14 +86,13 @@ def show_node(node: str, *, run: Runner = run_command, timeout_s: float = 15.0) 
 
 
 def requeue_job(job_id: str, *, run: Runner = run_command, timeout_s: float = 30.0) -> None:
-    """Requeue and make it eligible at once (Slurm otherwise waits 120 s)."""
-    for argv in (
-        ["scontrol", "requeue", job_id],
-        ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
-    ):
-        done = run(argv, timeout_s=timeout_s)
-        if done.returncode != 0:
-            raise SlurmError(f"{shlex.join(argv)} failed: {done.stderr.strip()}")
+    """Requeue the job.  Slurm ends its processes (the caller's too) and holds it about 120 s
+    before it may start again; ``scontrol update JobId=J StartTime=now`` from outside lifts
+    the hold."""
+    argv = ["scontrol", "requeue", job_id]
+    done = run(argv, timeout_s=timeout_s)
+    if done.returncode != 0:
+        raise SlurmError(f"{shlex.join(argv)} failed: {done.stderr.strip()}")
 
 
 def show_topology(*, run: Runner = run_command, timeout_s: float = 15.0) -> str:

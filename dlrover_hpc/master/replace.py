@@ -1,0 +1,88 @@
+"""Bringing capacity back under Slurm: a replacement job, or a requeue of the whole job.
+
+Slurm cannot grow a running job, so after hot spares the master submits a *replacement job*
+(``sbatch --exclude=<bad and busy nodes>`` of ``sbatch/replacement.sbatch``) whose agents join
+this master over TCP with the job token; as a last resort it requeues its own job, which then
+resumes from the journal and the persisted checkpoint.  Runs Slurm commands: call from a
+worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+
+from dlrover_hpc.errors import SlurmError
+from dlrover_hpc.master.journal import EventLog
+from dlrover_hpc.slurm import commands as slurm
+from dlrover_hpc.slurm.hostnames import collect
+
+log = logging.getLogger(__name__)
+
+
+class Replacer:
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        job_dir: Path,
+        template: str | None,
+        master_addr: str,
+        events: EventLog,
+        run: slurm.Runner = slurm.run_command,
+    ) -> None:
+        self.job_id, self.job_dir, self.template = job_id, job_dir, template
+        self.master_addr, self.events, self._run = master_addr, events, run
+        self.submitted: list[str] = []
+
+    def request(self, count: int, exclude: Sequence[str]) -> None:
+        try:
+            self._request(count, exclude)
+        except Exception:  # thread boundary
+            log.exception("replacement request failed count=%d", count)
+
+    def _request(self, count: int, exclude: Sequence[str]) -> None:
+        if not self.template:
+            log.info("no replacement job: none configured (--replacement-sbatch)")
+            return
+        argv = [
+            "sbatch",
+            "--parsable",
+            f"-N{count}",
+            f"--job-name=dlrover-hpc-repl-{self.job_id}",
+            f"--output={self.job_dir}/replacement-%j.out",
+            # The agents find this master and the job's token in the environment.
+            f"--export=ALL,DLROVER_HPC_MASTER={self.master_addr},"
+            f"DLROVER_HPC_JOB_DIR={self.job_dir},DLROVER_HPC_REPLACES={self.job_id}",
+        ]
+        if exclude:
+            argv.append(f"--exclude={collect(sorted(set(exclude)))}")
+        argv.append(self.template)
+        done = self._run(argv, timeout_s=60)
+        if done.returncode != 0:
+            raise SlurmError(f"{shlex.join(argv)} failed: {done.stderr.strip()}")
+        job = done.stdout.strip().split(";")[0]
+        self.submitted.append(job)
+        log.info("replacement job submitted job=%s nodes=%d exclude=%s", job, count, exclude)
+        self.events.emit("replacement_requested", job=job, count=count, exclude=sorted(exclude))
+
+    def requeue(self, reason: str) -> None:
+        try:
+            self.events.emit("job_requeued", job=self.job_id, reason=reason)
+            slurm.requeue_job(self.job_id, run=self._run)
+            log.warning("job requeued job=%s reason=%s", self.job_id, reason)
+        except Exception:  # thread boundary
+            log.exception("requeue failed job=%s", self.job_id)
+
+    def cancel_all(self) -> None:
+        """The job is over: replacement jobs still pending or running are not needed."""
+        if self.submitted:
+            self._run(["scancel", *self.submitted], timeout_s=30)
+
+
+def default_template() -> str | None:
+    value = os.environ.get("DLROVER_HPC_REPLACEMENT_SBATCH", "")
+    return value or None
