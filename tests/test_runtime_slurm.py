@@ -342,3 +342,38 @@ def test_requeue_when_below_min_nodes_resumes_from_checkpoint(
     steps = [int(line.split()[1]) for line in timing.read_text().splitlines()]
     restart_at = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
     assert steps[restart_at] > 10, steps
+
+
+def test_flash_checkpoint_restores_from_memory_on_every_node(
+    local_slurm: LocalSlurm, shared_tmp: Path
+) -> None:
+    flash = TRAIN.parent / "train_flash_ckpt.py"
+    job = sbatch(
+        shared_tmp,
+        2,
+        "--nnodes=2:2",
+        "--nproc-per-node=2",
+        str(flash),
+        "--steps=30",
+        f"--ckpt-dir={shared_tmp / 'ck'}",
+        "--save-every=2",
+        "--persist-every=10",
+        "--fail-at-step=15",
+        "--fail-rank=3",
+        f"--result={shared_tmp / 'result.json'}",
+        extra=("-w", "node[1-2]"),
+    )
+    fields = wait_job(job, timeout_s=240)
+    out = (shared_tmp / f"slurm-{job}.out").read_text()
+    assert fields["JobState"] == "COMPLETED", out[-4000:]
+    summary = json.loads((shared_tmp / "result.json").read_text())
+    assert summary["restored"] == [14, "memory"] and summary["final_step"] == 30
+    evs = events(_job_dir(shared_tmp, job))
+    restored = named(evs, "checkpoint_restored")
+    assert sorted((e["rank"], e["source"], e["step"]) for e in restored) == [
+        (r, "memory", 14) for r in range(4)
+    ]
+    assert {e["node"] for e in restored} == {"node1", "node2"}
+    committed = [e["step"] for e in named(evs, "checkpoint_persisted") if e["committed"]]
+    assert committed[-1] == 30 and 14 in committed
+    assert (shared_tmp / "ck" / "dlrover_latest.txt").read_text().strip() == "30"

@@ -141,3 +141,51 @@ def test_log_dir_and_redirects_write_per_rank_logs(tmp_path: Path) -> None:
     assert len(outs) == 2
     assert sorted(p.read_text().strip() for p in outs) == ["hello from 0", "hello from 1"]
     assert "hello from" not in proc.stdout  # redirected, not on the console
+
+
+FLASH = TRAIN.parent / "train_flash_ckpt.py"
+
+
+def test_flash_checkpoint_survives_sigkill_by_restoring_from_memory(tmp_path: Path) -> None:
+    """The agent's saver persists the newest memory step of the dead worker's job, and the
+    restarted workers restore from /dev/shm, not from disk."""
+    result = tmp_path / "result.json"
+    proc = subprocess.run(
+        [
+            str(BIN / "dlrover-run"),
+            "--standalone",
+            "--nproc-per-node=2",
+            f"--job-dir={tmp_path / 'job'}",
+            str(FLASH),
+            "--steps=24",
+            f"--ckpt-dir={tmp_path / 'ck'}",
+            "--save-every=2",
+            "--persist-every=10",
+            "--fail-at-step=15",
+            "--fail-rank=1",
+            f"--result={result}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(result.read_text())
+    assert summary["restored"] == [14, "memory"] and summary["final_step"] == 24
+    evs = events(tmp_path / "job")
+    restored = named(evs, "checkpoint_restored")
+    assert sorted((e["rank"], e["step"], e["source"]) for e in restored) == [
+        (0, 14, "memory"),
+        (1, 14, "memory"),
+    ]
+    persisted = [e["step"] for e in named(evs, "checkpoint_persisted") if e["committed"]]
+    assert 14 in persisted  # persisted on failure, before the restart
+    assert persisted[-1] == 24
+    # Plain torch.load reads a persisted checkpoint (no lock-in).
+    import torch
+
+    latest = (tmp_path / "ck" / "dlrover_latest.txt").read_text().strip()
+    assert latest == "24"
+    state = torch.load(tmp_path / "ck" / "checkpoint-24.pt", weights_only=False)
+    assert isinstance(state, dict) and state

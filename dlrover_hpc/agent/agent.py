@@ -8,12 +8,13 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 
 from dlrover_hpc.agent.diagnose import Diagnoser
+from dlrover_hpc.agent.saver_link import start_saver
 from dlrover_hpc.agent.workers import WorkerFailure, WorkerGroup
+from dlrover_hpc.checkpoint.saver import SaverHost
 from dlrover_hpc.cli.run_args import RunConfig
 from dlrover_hpc.netcheck.probe import run_probe_subprocess
 from dlrover_hpc.protocol import messages as m
@@ -38,14 +39,14 @@ class Agent:
         master: tuple[str, int],
         token: str,
         job_dir: Path,
-        on_workers_stopped: Callable[[], None] | None = None,
         extra_env: dict[str, str] | None = None,
     ) -> None:
         self.config = config
         self.master = master
         self._token = token
         self.job_dir = job_dir
-        self._on_stopped = on_workers_stopped or (lambda: None)
+        self.saver: SaverHost | None = None
+        self._job_id = ""
         self._extra_env = extra_env or {}
         self.node = socket.gethostname().split(".")[0]
         # Per-rank logs default to the job directory; stderr is teed there (and still shown)
@@ -80,6 +81,7 @@ class Agent:
             timeout_s=30,
         )
         self.agent_id = reply.agent_id
+        self._job_id = reply.job_id
         self._heartbeat_s = reply.heartbeat_interval_s
         log.info("joined master=%s:%d agent=%s", host, port, self.agent_id)
 
@@ -96,12 +98,15 @@ class Agent:
         assert self.client is not None
         beats = asyncio.create_task(self._heartbeats())
         pushes = asyncio.create_task(self._pushes())
+        self.saver = start_saver(self.client, job_id=self._job_id, node=self.node)
         try:
             return await self._rounds()
         finally:
+            await self._stop_workers()
+            # Finish in-flight persists (they need the master), then remove the segments.
+            await asyncio.to_thread(self.saver.close, True)
             beats.cancel()
             pushes.cancel()
-            await self._stop_workers()
             await self.client.close()
 
     async def _rounds(self) -> int:
@@ -145,7 +150,9 @@ class Agent:
         env = {
             "DLROVER_HPC_MASTER": f"{self.master[0]}:{self.master[1]}",
             "DLROVER_HPC_JOB_DIR": str(self.job_dir),
-            "DLROVER_HPC_JOB_ID": a.run_id,
+            "DLROVER_HPC_JOB_ID": self._job_id,
+            "DLROVER_HPC_NODE_NAME": self.node,
+            **({"DLROVER_HPC_SAVER_SOCKET": self.saver.socket_path} if self.saver else {}),
             **self._extra_env,
         }
         self.diagnoser.workers_starting()
@@ -273,7 +280,10 @@ class Agent:
         if self.workers.running:
             await asyncio.to_thread(self.workers.stop)
         # Persist the newest in-memory checkpoint before anything restarts.
-        await asyncio.to_thread(self._on_stopped)
+        if self.saver is not None:
+            step = await asyncio.to_thread(self.saver.persist_latest, 120.0)
+            if step is not None:
+                log.info("persisted the newest in-memory checkpoint step=%d", step)
 
     # ---------------------------------------------------- background tasks
     async def _pushes(self) -> None:

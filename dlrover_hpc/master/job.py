@@ -118,6 +118,7 @@ class Job:
         self._ids = itertools.count(1)
         self._changed = asyncio.Event()
         self._commits: dict[tuple[str, int], set[int]] = {}
+        self._committed: dict[tuple[str, int], None] = {}  # insertion-ordered, bounded
         self.finished = asyncio.Event()
         self._stop_signal = ""
         self.network_check = False  # turned on by any agent started with --network-check
@@ -310,15 +311,21 @@ class Job:
         return m.Ack()
 
     def checkpoint_part(self, msg: m.CheckpointPart) -> m.CheckpointCommit:
+        """Count the ranks whose part of a step is durable; the caller completing the set
+        commits (writes the tracker).  Parts of an unfinished step are dropped when a new
+        worker generation starts (see _complete)."""
         key = (msg.path, msg.step)
+        if key in self._committed:
+            return m.CheckpointCommit(commit=False)
         have = self._commits.setdefault(key, set())
-        complete_before = len(have) >= msg.world_size
         have.update(msg.ranks)
-        commit = not complete_before and len(have) >= msg.world_size
-        if commit:
-            for old in [k for k in self._commits if k[0] == msg.path and k[1] < msg.step]:
-                del self._commits[old]
-        return m.CheckpointCommit(commit=commit)
+        if len(have) < msg.world_size:
+            return m.CheckpointCommit(commit=False)
+        del self._commits[key]
+        self._committed[key] = None
+        while len(self._committed) > 1024:
+            self._committed.pop(next(iter(self._committed)))
+        return m.CheckpointCommit(commit=True)
 
     def status(self) -> m.StatusReply:
         return m.StatusReply(
@@ -581,6 +588,7 @@ class Job:
         self.round += 1
         ranked = rank_nodes([_rank_input(n) for n in chosen], self._topology)
         self._store_port = self._stores.new_store(self.round)
+        self._commits.clear()  # parts saved by the previous generation never complete now
         world = sum(n.nproc for n in chosen)
         names = [r.node for r in ranked]
         offset = 0

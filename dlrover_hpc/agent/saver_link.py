@@ -1,0 +1,69 @@
+"""The node's flash-checkpoint saver, hosted by the agent, agreeing commits through the master."""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import logging
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from dlrover_hpc.checkpoint.saver import SaverHost
+from dlrover_hpc.protocol import messages as m
+from dlrover_hpc.protocol.client import MasterClient
+
+log = logging.getLogger(__name__)
+
+
+class MasterCommitCoordinator:
+    """``part_durable`` asks the master, which counts every node's parts of a step; exactly
+    one caller (the one completing the set) is told to commit.  Called from saver threads."""
+
+    def __init__(self, client: MasterClient, loop: asyncio.AbstractEventLoop) -> None:
+        self._client, self._loop = client, loop
+
+    def part_durable(self, *, step: int, ranks: Sequence[int], world_size: int, path: str) -> bool:
+        request = self._client.request(
+            m.CheckpointPart(step=step, ranks=list(ranks), world_size=world_size, path=path),
+            m.CheckpointCommit,
+            timeout_s=60,
+        )
+        reply = asyncio.run_coroutine_threadsafe(request, self._loop).result(timeout=70)
+        return reply.commit
+
+
+class MasterEventSink:
+    """Saver events go to the master, the one writer of events.jsonl."""
+
+    def __init__(self, client: MasterClient, loop: asyncio.AbstractEventLoop, node: str) -> None:
+        self._client, self._loop, self._node = client, loop, node
+
+    def emit(self, event: str, **fields: Any) -> None:
+        fields.setdefault("node", self._node)
+        request = self._client.request(m.Event(event=event, fields=fields), m.Ack, timeout_s=30)
+        try:
+            asyncio.run_coroutine_threadsafe(request, self._loop).result(timeout=35)
+        except Exception as exc:  # an event must never break a persist
+            log.warning("event not delivered event=%s error=%s", event, exc)
+
+
+def saver_socket_path(job_id: str, node: str) -> str:
+    """Names carry user, job and node, so two jobs on one node never collide."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{getpass.getuser()}-{job_id}-{node}")
+    return os.path.join("/tmp", f"dlrover-hpc-{safe}.sock")[:107]
+
+
+def start_saver(client: MasterClient, *, job_id: str, node: str) -> SaverHost:
+    loop = asyncio.get_running_loop()
+    host = SaverHost(
+        job_id=job_id,
+        node_name=node,
+        socket_path=saver_socket_path(job_id, node),
+        commit=MasterCommitCoordinator(client, loop),
+        events=MasterEventSink(client, loop, node),
+    )
+    host.start()
+    log.info("checkpoint saver listening socket=%s", host.socket_path)
+    return host
