@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Mapping
@@ -16,6 +17,14 @@ from dlrover_hpc.cli.run_args import RunConfig
 from dlrover_hpc.protocol.messages import Assignment
 
 log = logging.getLogger(__name__)
+
+# A worker whose collective lost a peer fails too; its error is a consequence, not the cause.
+_PEER_LOST = re.compile(
+    r"Connection (closed|reset) by peer|remote worker (crashing|hanging)|"
+    r"NCCL communicator was aborted|ProcessGroupNCCL.*(abort|watchdog)|"
+    r"Socket Timeout|Broken pipe",
+    re.IGNORECASE,
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,6 +149,8 @@ class WorkerGroup:
         return self._ctx.wait(timeout=0, period=0)
 
     def failures(self, result: RunProcsResult) -> list[WorkerFailure]:
+        """The failed workers, the likely cause first: a worker that died of its peers'
+        death (a collective lost its connection) comes after one that died on its own."""
         out = []
         for local_rank, f in sorted(result.failures.items(), key=lambda kv: kv[1].timestamp):
             sig = f.signal_name() if f.exitcode is not None and f.exitcode < 0 else None
@@ -155,6 +166,7 @@ class WorkerGroup:
                     log_tail=tail,
                 )
             )
+        out.sort(key=lambda f: _PEER_LOST.search(f.log_tail + f.message) is not None)
         return out
 
     def log_tail(self, local_rank: int, max_bytes: int = 8192) -> str:
