@@ -156,7 +156,10 @@ class Agent:
             **self._extra_env,
         }
         self.diagnoser.workers_starting()
-        pids = self.workers.start(a, env)  # main thread: torch registers signal handlers
+        pids = self.workers.start(a, env)
+        # torch's process context installs its own SIGTERM/SIGINT handlers (they raise inside
+        # whatever runs); ours only set an event that the monitor loop acts on.
+        self._install_signals()
         await self.client.request(
             m.WorkersStarted(agent_id=self.agent_id, round=a.round, pids=list(pids.values())),
             m.Ack,

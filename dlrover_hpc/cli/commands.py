@@ -172,6 +172,9 @@ def register_launch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ssh-user", default=None, help="SSH user (default: yours)")
     p.add_argument("--ssh-key", default=None, help="SSH private key file")
     p.add_argument("run_args", nargs=argparse.REMAINDER, help="-- then dlrover-run's arguments")
+    from dlrover_hpc.ssh.cli import add_launch_options
+
+    add_launch_options(p)
     p.set_defaults(func=_launch)
 
 

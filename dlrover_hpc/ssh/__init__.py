@@ -1,1 +1,1 @@
-"""ssh."""
+"""Bare metal: the hostfile, the blocklist and the SSH launcher behind ``dlrover-hpc launch``."""

@@ -2,6 +2,14 @@
 
 from dlrover_hpc.testing.leaks import LeakSnapshot, take_snapshot
 from dlrover_hpc.testing.local_slurm import LocalSlurm, LocalSlurmConfig
+from dlrover_hpc.testing.sshd import SshdCluster
 from dlrover_hpc.testing.wait import wait_for
 
-__all__ = ["LeakSnapshot", "LocalSlurm", "LocalSlurmConfig", "take_snapshot", "wait_for"]
+__all__ = [
+    "LeakSnapshot",
+    "LocalSlurm",
+    "LocalSlurmConfig",
+    "SshdCluster",
+    "take_snapshot",
+    "wait_for",
+]
