@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import getpass
 import logging
 import os
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 from dlrover_hpc.agent.diagnose import Diagnoser
 from dlrover_hpc.agent.saver_link import start_saver
 from dlrover_hpc.agent.workers import WorkerFailure, WorkerGroup
+from dlrover_hpc.agent.zygote import Zygote
 from dlrover_hpc.checkpoint.saver import SaverHost
 from dlrover_hpc.cli.run_args import RunConfig
 from dlrover_hpc.netcheck.probe import run_probe_subprocess
@@ -52,7 +54,12 @@ class Agent:
         # Per-rank logs default to the job directory; stderr is teed there (and still shown)
         # so a failure's log tail can be diagnosed.
         log_dir = config.log_dir or str(job_dir / "logs" / self.node)
-        self.workers = WorkerGroup(config, log_dir=log_dir)
+        self.zygote = (
+            None
+            if config.no_python
+            else Zygote(f"/tmp/dlrover-hpc-{getpass.getuser()}-agent{os.getpid()}-zygote.sock")
+        )
+        self.workers = WorkerGroup(config, log_dir=log_dir, zygote=self.zygote)
         self.diagnoser = Diagnoser()
         self.client: MasterClient | None = None
         self.agent_id = ""
@@ -94,6 +101,11 @@ class Agent:
     # --------------------------------------------------------------- loop
     async def run(self) -> int:
         self._install_signals()
+        if self.zygote is not None:  # imports torch while the rendezvous runs
+            env = dict(os.environ)
+            if "OMP_NUM_THREADS" not in env and self.config.nproc_per_node > 1:
+                env["OMP_NUM_THREADS"] = "1"  # as the workers get it (read at import)
+            self.zygote.start(env)
         await self._connect()
         assert self.client is not None
         beats = asyncio.create_task(self._heartbeats())
@@ -108,6 +120,8 @@ class Agent:
             beats.cancel()
             pushes.cancel()
             await self.client.close()
+            if self.zygote is not None:
+                await asyncio.to_thread(self.zygote.stop)
 
     async def _rounds(self) -> int:
         assert self.client is not None

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResult
 
+from dlrover_hpc.agent.zygote import Zygote
 from dlrover_hpc.cli.run_args import RunConfig
 from dlrover_hpc.protocol.messages import Assignment
 
@@ -81,8 +82,11 @@ def _std(value: str) -> Std | dict[int, Std]:
 class WorkerGroup:
     """Start, poll and stop this node's ``--nproc-per-node`` workers."""
 
-    def __init__(self, config: RunConfig, *, log_dir: str | None) -> None:
+    def __init__(
+        self, config: RunConfig, *, log_dir: str | None, zygote: Zygote | None = None
+    ) -> None:
         self.config = config
+        self._zygote = zygote
         self._log_dir = log_dir
         self._ctx: PContext | None = None
         self._rank_offset = 0
@@ -96,10 +100,11 @@ class WorkerGroup:
         else:
             entrypoint = sys.executable
             prefix = ("-u", "-m") if cfg.module else ("-u",)
-        args = {
-            lr: (*prefix, cfg.training_script, *cfg.training_script_args)
-            for lr in range(cfg.nproc_per_node)
-        }
+        argv = [cfg.training_script, *cfg.training_script_args]
+        if self._zygote is not None and not cfg.no_python and self._zygote.ready(0.0):
+            # Forked from a pre-warmed interpreter: no Python start-up, no `import torch`.
+            prefix, argv = self._zygote.client_args(argv, module=cfg.module), []
+        args = {lr: (*prefix, *argv) for lr in range(cfg.nproc_per_node)}
         envs = {
             lr: worker_env(cfg, assignment, local_rank=lr, extra=extra_env)
             for lr in range(cfg.nproc_per_node)

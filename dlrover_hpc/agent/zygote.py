@@ -1,0 +1,304 @@
+"""Pre-warmed worker interpreters: restarts skip Python start-up and ``import torch``.
+
+A restarted worker spends most of its recovery time importing torch (about 1.1 s here).  The
+agent therefore keeps a *zygote*: a Python process that has imported torch once and then only
+forks.  Each worker the agent starts (through torch elastic's process API, unchanged) is a
+small *client* process that connects to the zygote over a Unix socket and passes its own
+stdin, stdout and stderr, its environment, working directory and argv.  The zygote forks a
+child that takes those over and runs the training script as ``__main__``.  The client mirrors
+the child: it forwards the signals it receives, and exits with the child's exit code, or dies
+of the child's signal, so the agent sees exactly what it would see without the zygote.  If the
+client dies, the zygote kills the child.  If the zygote is not available, the client simply
+executes ``python <script>`` itself.
+
+The zygote is single-threaded (fork is safe) and never runs torch code itself.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_MAX_MSG = 1 << 20
+_FORWARDED = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+
+
+# ---------------------------------------------------------------- the zygote (server)
+def serve(socket_path: str, *, preload: tuple[str, ...] = ("torch", "torch.distributed")) -> None:
+    for name in preload:
+        __import__(name)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(socket_path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        listener.bind(socket_path)
+    finally:
+        os.umask(old)
+    listener.listen(256)
+    children: dict[int, socket.socket] = {}  # child pid -> its client's connection
+    print("ready", flush=True)  # the agent waits for this line
+    stop = False
+
+    def _stop(_sig: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        while not stop:
+            conns = list(children.values())
+            with contextlib.suppress(InterruptedError):
+                ready, _, _ = select.select([listener, *conns], [], [], 0.05)
+            for sock in ready:
+                if sock is listener:
+                    _accept(listener, children)
+                else:  # a client closed its end: it died, so its child must too
+                    pid = next(p for p, c in children.items() if c is sock)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            _reap(children)
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while children and time.monotonic() < deadline:
+            _reap(children)
+            time.sleep(0.01)
+        listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(socket_path)
+
+
+def _accept(listener: socket.socket, children: dict[int, socket.socket]) -> None:
+    conn, _ = listener.accept()
+    try:
+        fds_array = array.array("i")
+        msg, ancdata, _flags, _addr = conn.recvmsg(_MAX_MSG, socket.CMSG_SPACE(3 * 4))
+        for level, kind, data in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds_array.frombytes(data[: len(data) - (len(data) % 4)])
+        request = json.loads(msg)
+        fds = list(fds_array)
+        if len(fds) != 3:
+            raise ValueError(f"expected 3 file descriptors, got {len(fds)}")
+    except (OSError, ValueError) as exc:
+        log.warning("zygote request refused: %s", exc)
+        conn.close()
+        return
+    pid = os.fork()
+    if pid == 0:  # the worker
+        conn.close()
+        listener.close()
+        for other in children.values():
+            other.close()
+        _become_worker(request, fds)  # never returns
+    for fd in fds:
+        os.close(fd)
+    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    children[pid] = conn
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is None:
+            continue
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        with contextlib.suppress(OSError):
+            conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
+        conn.close()
+
+
+def _become_worker(request: dict, fds: list[int]) -> None:
+    code = 1
+    try:
+        os.setsid()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        code = _run_main(request["argv"], module=request["module"])
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        with contextlib.suppress(BaseException):
+            import atexit
+
+            atexit._run_exitfuncs()
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _exit_code(value: object) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    print(value, file=sys.stderr)
+    return 1
+
+
+def _run_main(argv: list[str], *, module: bool) -> int:
+    import runpy
+
+    sys.argv = list(argv)
+    if module:
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
+# ------------------------------------------------------------------- the client (worker)
+def client(socket_path: str, argv: list[str], *, module: bool) -> None:
+    """Run ``argv`` in a child of the zygote and mirror it; fall back to exec."""
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(socket_path)
+        request = json.dumps(
+            {"argv": argv, "module": module, "env": dict(os.environ), "cwd": os.getcwd()}
+        ).encode()
+        sock.sendmsg(
+            [request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))]
+        )
+        reader = sock.makefile("rb")
+        first = reader.readline()
+        pid = int(json.loads(first)["pid"])
+    except (OSError, ValueError, KeyError):
+        _exec_directly(argv, module=module)
+        return
+
+    def forward(sig: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+    for sig in _FORWARDED:
+        signal.signal(sig, forward)
+    line = reader.readline()
+    code = int(json.loads(line)["exit"]) if line else -signal.SIGKILL
+    if code < 0:  # die of the same signal, so the agent sees what happened to the worker
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        time.sleep(1)
+        code = 128 - code
+    sys.exit(code)
+
+
+def _exec_directly(argv: list[str], *, module: bool) -> None:
+    args = [sys.executable, "-u", *(["-m"] if module else []), *argv]
+    os.execv(sys.executable, args)
+
+
+# -------------------------------------------------------------------- agent side
+class Zygote:
+    """The agent's handle: start it early (it imports torch in the background)."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+        self._proc: subprocess.Popen[str] | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "dlrover_hpc.agent.zygote", "serve", self.socket_path],
+            env=env,
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+
+    def ready(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until it listens; False if it failed."""
+        if self._proc is None or self._proc.stdout is None:
+            return False
+        if self._proc.poll() is not None:
+            return False
+        if Path(self.socket_path).exists() and getattr(self, "_ready", False):
+            return True
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
+        if ready and self._proc.stdout.readline().strip() == "ready":
+            self._ready = True
+            return True
+        return False
+
+    def client_args(self, argv: list[str], *, module: bool) -> tuple[str, ...]:
+        return (
+            "-u",
+            "-m",
+            "dlrover_hpc.agent.zygote",
+            "client",
+            self.socket_path,
+            "--module" if module else "--script",
+            *argv,
+        )
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._proc is not None and self._proc.stdout is not None:
+            self._proc.stdout.close()
+        self._proc = None
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["serve"]:
+        serve(argv[1])
+    elif argv[:1] == ["client"]:
+        client(argv[1], argv[3:], module=argv[2] == "--module")
+    else:
+        sys.exit(
+            "usage: python -m dlrover_hpc.agent.zygote serve SOCKET | client SOCKET "
+            "--script|--module ARGV..."
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,144 @@
+"""Pre-warmed worker interpreters: the client mirrors its forked child exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from runtime_helpers import BIN
+
+from dlrover_hpc.agent.zygote import Zygote
+from dlrover_hpc.testing import wait_for
+
+SCRIPT = """
+import json, os, sys, time
+out = {"preloaded": "torch" in sys.modules, "argv": sys.argv[1:], "name": __name__,
+       "cwd": os.getcwd(), "env": os.environ.get("ZYGOTE_TEST")}
+open(sys.argv[1], "w").write(json.dumps(out))
+mode = sys.argv[2]
+if mode == "exit":
+    sys.exit(7)
+if mode == "raise":
+    raise RuntimeError("boom from the worker")
+if mode == "sleep":
+    time.sleep(60)
+"""
+
+
+@pytest.fixture
+def zygote(tmp_path: Path) -> Iterator[Zygote]:
+    z = Zygote(str(tmp_path / "z.sock"))
+    z.start(dict(os.environ))
+    assert z.ready(60), "the zygote did not come up"
+    yield z
+    z.stop()
+
+
+def _client(
+    z: Zygote | None, sock: str, script: Path, *args: str, cwd: Path, **kw: object
+) -> subprocess.Popen[str]:
+    client_args = (z or Zygote(sock)).client_args([str(script), *args], module=False)
+    env = {**os.environ, "ZYGOTE_TEST": "yes"}
+    return subprocess.Popen(
+        [sys.executable, *client_args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kw,
+    )  # type: ignore[call-overload]
+
+
+def test_child_runs_script_as_main_with_torch_preloaded(zygote: Zygote, tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out.json"
+    proc = _client(zygote, zygote.socket_path, script, str(out), "exit", cwd=tmp_path)
+    assert proc.wait(60) == 7
+    seen = json.loads(out.read_text())
+    assert seen == {
+        "preloaded": True,
+        "argv": [str(out), "exit"],
+        "name": "__main__",
+        "cwd": str(tmp_path),
+        "env": "yes",
+    }
+
+
+def test_exceptions_print_a_traceback_on_the_clients_stderr(zygote: Zygote, tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    proc = _client(zygote, zygote.socket_path, script, str(tmp_path / "o"), "raise", cwd=tmp_path)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "RuntimeError: boom from the worker" in err
+
+
+def test_signals_are_forwarded_and_mirrored(zygote: Zygote, tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out.json"
+    proc = _client(zygote, zygote.socket_path, script, str(out), "sleep", cwd=tmp_path)
+    wait_for(out.exists, timeout_s=60, what="the worker to start")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == -signal.SIGTERM
+
+
+def test_killed_client_takes_its_child_along(zygote: Zygote, tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out.json"
+    proc = _client(zygote, zygote.socket_path, script, str(out), "sleep", cwd=tmp_path)
+    wait_for(out.exists, timeout_s=60, what="the worker to start")
+    zygote_pid = zygote._proc.pid  # type: ignore[union-attr]
+    children = psutil.Process(zygote_pid).children()
+    assert len(children) == 1
+    proc.kill()
+    proc.wait(10)
+    wait_for(
+        lambda: not psutil.Process(zygote_pid).children(),
+        timeout_s=10,
+        what="the orphaned worker to be killed",
+    )
+
+
+def test_without_a_zygote_the_client_runs_the_script_itself(tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out.json"
+    proc = _client(None, str(tmp_path / "absent.sock"), script, str(out), "exit", cwd=tmp_path)
+    assert proc.wait(60) == 7
+    assert json.loads(out.read_text())["preloaded"] is False
+
+
+def test_restarted_workers_come_from_the_zygote(tmp_path: Path) -> None:
+    script = tmp_path / "r.py"
+    script.write_text(
+        "import json, os, sys, time\n"
+        "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+        "    time.sleep(10); sys.exit(5)  # the zygote warms up meanwhile\n"
+        "open(f'r{os.environ[\"RANK\"]}.json', 'w').write(json.dumps('torch' in sys.modules))\n"
+    )
+    proc = subprocess.run(
+        [
+            str(BIN / "dlrover-run"),
+            "--standalone",
+            "--nproc-per-node=2",
+            f"--job-dir={tmp_path / 'job'}",
+            str(script),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [json.loads((tmp_path / f"r{r}.json").read_text()) for r in (0, 1)] == [True, True]
