@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -24,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 TRAIN = REPO / "examples" / "train.py"
+HANG_S = 120.0  # a run still going after this long hung
 
 
 def _free_port() -> int:
@@ -66,17 +69,23 @@ def _one(launcher: str, work: Path, *, steps: int, fail_at: int) -> dict:
             *train,
         ]
     t0 = time.time()
-    proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=600)
+    proc = subprocess.Popen(
+        argv, cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        returncode: int | None = proc.wait(timeout=HANG_S)
+    except subprocess.TimeoutExpired:  # torchrun's gloo restarts can hang: count it as such
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        returncode = None
     end = time.time()
     kill_at = float((ckpt / ".failed-once-1").read_text())
-    after = [
-        float(line.split()[0])
-        for line in timing.read_text().splitlines()
-        if int(line.split()[2]) > 0
-    ]
-    recovered = proc.returncode == 0 and bool(after)
+    lines = timing.read_text().splitlines() if timing.exists() else []
+    after = [float(line.split()[0]) for line in lines if int(line.split()[2]) > 0]
+    recovered = returncode == 0 and bool(after)
     return {
-        "exit_code": proc.returncode,
+        "exit_code": returncode,
+        "hung": returncode is None,
         "recovered": recovered,
         "recovery_s": round(after[0] - kill_at, 3) if after else None,
         "gave_up_after_s": None if recovered else round(end - kill_at, 3),

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dlrover_hpc.errors import LocalSlurmError
+from dlrover_hpc.testing.commands import run_checked
 
 log = logging.getLogger(__name__)
 
@@ -92,19 +93,7 @@ def _ifname(net: str) -> str:
 
 
 def _run(argv: Sequence[str], *, check: bool = True, timeout_s: float = 60.0) -> str:
-    try:
-        proc = subprocess.run(
-            list(argv), capture_output=True, text=True, timeout=timeout_s, check=False
-        )
-    except FileNotFoundError as exc:
-        raise LocalSlurmError(f"{argv[0]}: command not found ({exc})") from exc
-    except subprocess.TimeoutExpired as exc:
-        raise LocalSlurmError(f"{' '.join(argv)}: no answer within {timeout_s:.0f} s") from exc
-    if check and proc.returncode != 0:
-        raise LocalSlurmError(
-            f"{' '.join(argv)} failed with exit code {proc.returncode}: {proc.stderr.strip()}"
-        )
-    return proc.stdout
+    return run_checked(argv, error=LocalSlurmError, check=check, timeout_s=timeout_s)
 
 
 def _alive(pid: int) -> bool:

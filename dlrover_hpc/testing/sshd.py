@@ -32,6 +32,7 @@ from pathlib import Path
 import psutil
 
 from dlrover_hpc.errors import DlroverHpcError
+from dlrover_hpc.testing.commands import run_checked
 
 SSHD = "/usr/sbin/sshd"
 _POLICY_RC = Path("/usr/sbin/policy-rc.d")
@@ -79,17 +80,7 @@ def _veth(host: str) -> str:
 
 
 def _run(argv: Sequence[str], *, check: bool = True, timeout_s: float = 60.0) -> str:
-    try:
-        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s)
-    except FileNotFoundError as exc:
-        raise SshdClusterError(f"{argv[0]}: command not found ({exc})") from exc
-    except subprocess.TimeoutExpired as exc:
-        raise SshdClusterError(f"{' '.join(argv)}: no answer within {timeout_s:.0f} s") from exc
-    if check and proc.returncode != 0:
-        raise SshdClusterError(
-            f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}"
-        )
-    return proc.stdout
+    return run_checked(argv, error=SshdClusterError, check=check, timeout_s=timeout_s)
 
 
 def ensure_openssh_server() -> None:
