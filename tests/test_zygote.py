@@ -92,6 +92,13 @@ def test_signals_are_forwarded_and_mirrored(zygote: Zygote, tmp_path: Path) -> N
     assert proc.wait(30) == -signal.SIGTERM
 
 
+def test_a_worker_killed_by_sigkill_looks_killed_by_sigkill(zygote: Zygote, tmp_path: Path) -> None:
+    script = tmp_path / "k.py"
+    script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = _client(zygote, zygote.socket_path, script, cwd=tmp_path)
+    assert proc.wait(30) == -signal.SIGKILL
+
+
 def test_killed_client_takes_its_child_along(zygote: Zygote, tmp_path: Path) -> None:
     script = tmp_path / "s.py"
     script.write_text(SCRIPT)

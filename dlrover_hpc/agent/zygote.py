@@ -221,7 +221,8 @@ def client(socket_path: str, argv: list[str], *, module: bool) -> None:
     line = reader.readline()
     code = int(json.loads(line)["exit"]) if line else -signal.SIGKILL
     if code < 0:  # die of the same signal, so the agent sees what happened to the worker
-        signal.signal(-code, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL has no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
         time.sleep(1)
         code = 128 - code

@@ -8,66 +8,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Callable
-from enum import Enum
-from typing import Any, Protocol
+from typing import Any
 
 from dlrover_hpc.config import DrainMode, MasterConfig
+from dlrover_hpc.master.commits import CommitCounter
 from dlrover_hpc.master.journal import EventLog, Journal
-from dlrover_hpc.master.netcheck import NetcheckRun
-from dlrover_hpc.netcheck.analysis import CheckVerdict
+from dlrover_hpc.master.netcheck import NetcheckGate
+from dlrover_hpc.master.nodes import (
+    Clock,
+    JobState,
+    NodeRecord,
+    NodeState,
+    StoreFactory,
+    rank_input,
+)
 from dlrover_hpc.protocol import messages as m
-from dlrover_hpc.rendezvous.ranking import RankInput, rank_nodes
+from dlrover_hpc.rendezvous.ranking import rank_nodes
 from dlrover_hpc.rendezvous.state import DecisionKind, RdzvParams, Waiter, decide, usable_count
 
 log = logging.getLogger(__name__)
-
-
-class NodeState(Enum):
-    WAITING = "waiting"  # in rendezvous (a hot spare waits here too)
-    ACTIVE = "active"  # in the current round, workers running
-    DONE = "done"  # workers finished successfully
-    LOST = "lost"  # stopped heart-beating or disconnected
-    EXCLUDED = "excluded"  # quarantined / drained: never admitted again in this job
-
-
-class JobState(Enum):
-    RENDEZVOUS = "rendezvous"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class NodeRecord:
-    agent_id: str
-    node: str
-    addr: str
-    nproc: int
-    slurm_node_id: int | None
-    topology_addr: str | None
-    state: NodeState = NodeState.WAITING
-    rank: int = -1
-    round: int = 0
-    joined_at: float = 0.0
-    last_seen: float = 0.0
-    disconnected_at: float | None = None
-    waiter: asyncio.Future[m.Assignment] | None = None
-    assignment: m.Assignment | None = None  # of the newest round it was in
-    pending: m.Assignment | None = None  # a task for its next WaitRound (network check)
-
-
-class StoreFactory(Protocol):
-    """Makes a fresh key-value store for a round's workers; returns its port."""
-
-    def new_store(self, round: int) -> int: ...
-
-
-class Clock(Protocol):
-    def __call__(self) -> float: ...
 
 
 Push = Callable[[str, m.Message], None]
@@ -117,14 +80,18 @@ class Job:
         self._opened_at = clock()
         self._ids = itertools.count(1)
         self._changed = asyncio.Event()
-        self._commits: dict[tuple[str, int], set[int]] = {}
-        self._committed: dict[tuple[str, int], None] = {}  # insertion-ordered, bounded
+        self.commits = CommitCounter()
         self.finished = asyncio.Event()
         self._stop_signal = ""
-        self.network_check = False  # turned on by any agent started with --network-check
-        self.exclude_straggler = False
-        self._check: NetcheckRun | None = None
-        self._checked: tuple[int, frozenset[str]] = (0, frozenset())  # (round, passed agents)
+        self.netcheck = NetcheckGate(
+            new_store=stores.new_store,
+            store_host=store_host,
+            timeout_s=config.netcheck_timeout_s,
+            deliver=self._deliver,
+            emit=self._emit,
+            node_name=lambda agent: self.nodes[agent].node,
+            clock=clock,
+        )
         if journal is not None:
             self._resume(journal.load())
         self._emit("job_started", job_id=config.job_id, nnodes=str(config.nnodes))
@@ -179,8 +146,8 @@ class Job:
             last_seen=now,
         )
         self.nodes[agent_id] = rec
-        self.network_check |= msg.network_check
-        self.exclude_straggler |= msg.exclude_straggler
+        self.netcheck.enabled |= msg.network_check  # any agent's --network-check turns it on
+        self.netcheck.exclude_straggler |= msg.exclude_straggler
         log.info("agent joined agent=%s node=%s excluded=%s", agent_id, msg.node, excluded)
         if self.state is JobState.RUNNING and not excluded:
             log.info("spare waiting agent=%s", agent_id)
@@ -232,9 +199,8 @@ class Job:
 
     def netcheck_report(self, msg: m.NetcheckReport) -> m.Ack:
         self._record_of(msg.agent_id)
-        if self._check is not None:
-            self._check.report(msg.agent_id, msg)
-            self.poke()
+        self.netcheck.report(msg.agent_id, msg)
+        self.poke()
         return m.Ack()
 
     def heartbeat(self, msg: m.Heartbeat) -> m.HeartbeatReply:
@@ -311,21 +277,7 @@ class Job:
         return m.Ack()
 
     def checkpoint_part(self, msg: m.CheckpointPart) -> m.CheckpointCommit:
-        """Count the ranks whose part of a step is durable; the caller completing the set
-        commits (writes the tracker).  Parts of an unfinished step are dropped when a new
-        worker generation starts (see _complete)."""
-        key = (msg.path, msg.step)
-        if key in self._committed:
-            return m.CheckpointCommit(commit=False)
-        have = self._commits.setdefault(key, set())
-        have.update(msg.ranks)
-        if len(have) < msg.world_size:
-            return m.CheckpointCommit(commit=False)
-        del self._commits[key]
-        self._committed[key] = None
-        while len(self._committed) > 1024:
-            self._committed.pop(next(iter(self._committed)))
-        return m.CheckpointCommit(commit=True)
+        return m.CheckpointCommit(commit=self.commits.part_durable(msg))
 
     def status(self) -> m.StatusReply:
         return m.StatusReply(
@@ -479,12 +431,15 @@ class Job:
             self._scale_up()
         if self.state is not JobState.RENDEZVOUS:
             return None
-        if self._check is not None:
-            self._check.step()
-            if not self._check.done:
-                return self._check.deadline
-            self._apply_check(self._check)
-            self._check = None
+        if self.netcheck.run is not None:
+            removals = self.netcheck.poll()
+            if removals is None:
+                return self.netcheck.run.deadline
+            for agent, reason in removals.items():
+                node = self.nodes[agent].node
+                self.exclude(node, reason)
+                if self._remove_node is not None and self.config.drain is not DrainMode.OFF:
+                    self._remove_node(node, reason)
         now = self._clock()
         waiting = [
             n
@@ -509,20 +464,9 @@ class Job:
         )
         if decision.kind is DecisionKind.COMPLETE:
             chosen = [self.nodes[a] for a in decision.chosen]
-            if self._needs_check(chosen):
-                ranked = rank_nodes([_rank_input(n) for n in chosen], self._topology)
-                generation = self.round + 1
-                self._check = NetcheckRun(
-                    agents=[r.agent_id for r in ranked],
-                    generation=generation,
-                    new_store=lambda: self._stores.new_store(generation),
-                    store_host=self._store_host,
-                    timeout_s=self.config.netcheck_timeout_s,
-                    deliver=self._deliver,
-                    on_round=self._netcheck_round,
-                    clock=self._clock,
-                )
-                return self._check.deadline
+            if self.netcheck.needs_check(decision.chosen, self.round + 1):
+                ranked = rank_nodes([rank_input(n) for n in chosen], self._topology)
+                return self.netcheck.start([r.agent_id for r in ranked], self.round + 1)
             self._complete(chosen)
             return None
         if decision.kind is DecisionKind.TIMEOUT:
@@ -532,63 +476,15 @@ class Job:
             return None
         return decision.wake_at
 
-    def _needs_check(self, chosen: list[NodeRecord]) -> bool:
-        """Check before every start and restart, once per round, if any agent asked."""
-        if not self.network_check or len(chosen) < 2:
-            return False
-        checked_round, passed = self._checked
-        return checked_round != self.round + 1 or not {n.agent_id for n in chosen} <= passed
-
-    def _netcheck_round(self, index: int, verdict: CheckVerdict, final: bool) -> None:
-        """``netcheck_result`` after every check round: what is known so far."""
-        run = self._check
-        name = {a: self.nodes[a].node for a in (run.agents if run else self.nodes)}
-        self._emit(
-            "netcheck_result",
-            round=index,
-            generation=self.round + 1,
-            final=final,
-            faulty=sorted(name[a] for a in verdict.faulty),
-            stragglers=sorted(name[a] for a in verdict.stragglers),
-            unresolved=sorted(name[a] for a in verdict.unresolved),
-            timings={name[a]: round(t, 4) for a, t in verdict.timings_s.items()},
-            median_s=verdict.median_s,
-            seconds=round(self._clock() - run.started, 3) if run else None,
-        )
-
-    def _apply_check(self, run: NetcheckRun) -> None:
-        verdict = run.verdict
-        assert verdict is not None
-        name = {a: self.nodes[a].node for a in run.agents}
-        removed = {a: "faulty in the network check" for a in verdict.faulty}
-        if self.exclude_straggler:
-            for a in verdict.stragglers:
-                removed.setdefault(
-                    a,
-                    f"straggler in the network check ({verdict.timings_s.get(a, 0):.3f} s "
-                    f"vs median {verdict.median_s or 0:.3f} s)",
-                )
-        log.info(
-            "network check done faulty=%s stragglers=%s rounds=%d",
-            sorted(name[a] for a in verdict.faulty),
-            sorted(name[a] for a in verdict.stragglers),
-            verdict.rounds_used,
-        )
-        for agent, reason in removed.items():
-            self.exclude(name[agent], reason)
-            if self._remove_node is not None and self.config.drain is not DrainMode.OFF:
-                self._remove_node(name[agent], reason)
-        self._checked = (run.generation, frozenset(run.agents) - set(removed))
-
     def _complete(self, chosen: list[NodeRecord]) -> None:
         previous = {
             n.agent_id for n in self.nodes.values() if n.round == self.round and n.rank >= 0
         }
         first_round = self.round == 0 or not previous
         self.round += 1
-        ranked = rank_nodes([_rank_input(n) for n in chosen], self._topology)
+        ranked = rank_nodes([rank_input(n) for n in chosen], self._topology)
         self._store_port = self._stores.new_store(self.round)
-        self._commits.clear()  # parts saved by the previous generation never complete now
+        self.commits.new_generation()
         world = sum(n.nproc for n in chosen)
         names = [r.node for r in ranked]
         offset = 0
@@ -646,12 +542,3 @@ class Job:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
                     await self._changed.wait()
-
-
-def _rank_input(n: NodeRecord) -> RankInput:
-    return RankInput(
-        agent_id=n.agent_id,
-        node=n.node,
-        slurm_node_id=n.slurm_node_id,
-        topology_addr=n.topology_addr,
-    )

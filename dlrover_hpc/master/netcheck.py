@@ -124,3 +124,96 @@ class NetcheckRun:
             self.verdict = verdict
         else:
             self._start_round(following)
+
+
+class NetcheckGate:
+    """Decides when a round must be checked first, runs the check, and says who to remove.
+
+    Enabled when any agent asks (``--network-check``); a check runs before every start and
+    restart (once per round), and the agents that passed are not checked again that round.
+    """
+
+    def __init__(
+        self,
+        *,
+        new_store: Callable[[int], int],
+        store_host: str,
+        timeout_s: float,
+        deliver: Callable[[str, m.Assignment], None],
+        emit: Callable[..., None],
+        node_name: Callable[[str], str],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._new_store, self._store_host, self._timeout_s = new_store, store_host, timeout_s
+        self._deliver, self._emit, self._name, self._clock = deliver, emit, node_name, clock
+        self.enabled = False
+        self.exclude_straggler = False
+        self.run: NetcheckRun | None = None
+        self._checked: tuple[int, frozenset[str]] = (0, frozenset())  # (round, passed agents)
+
+    def needs_check(self, agents: Sequence[str], generation: int) -> bool:
+        if not self.enabled or len(agents) < 2:
+            return False
+        checked_round, passed = self._checked
+        return checked_round != generation or not set(agents) <= passed
+
+    def start(self, ranked_agents: Sequence[str], generation: int) -> float:
+        """Start a check of ``ranked_agents`` (pairs are neighbours); returns its deadline."""
+        self.run = NetcheckRun(
+            agents=ranked_agents,
+            generation=generation,
+            new_store=lambda: self._new_store(generation),
+            store_host=self._store_host,
+            timeout_s=self._timeout_s,
+            deliver=self._deliver,
+            on_round=self._round_done,
+            clock=self._clock,
+        )
+        return self.run.deadline
+
+    def report(self, agent: str, msg: m.NetcheckReport) -> None:
+        if self.run is not None:
+            self.run.report(agent, msg)
+
+    def poll(self) -> dict[str, str] | None:
+        """None while a check runs; when it is done, the agents to remove and why."""
+        run = self.run
+        assert run is not None
+        run.step()
+        if run.verdict is None:
+            return None
+        self.run = None
+        verdict = run.verdict
+        removed = {a: "faulty in the network check" for a in verdict.faulty}
+        if self.exclude_straggler:
+            for a in verdict.stragglers:
+                removed.setdefault(
+                    a,
+                    f"straggler in the network check ({verdict.timings_s.get(a, 0):.3f} s "
+                    f"vs median {verdict.median_s or 0:.3f} s)",
+                )
+        log.info(
+            "network check done faulty=%s stragglers=%s rounds=%d",
+            sorted(self._name(a) for a in verdict.faulty),
+            sorted(self._name(a) for a in verdict.stragglers),
+            verdict.rounds_used,
+        )
+        self._checked = (run.generation, frozenset(run.agents) - set(removed))
+        return removed
+
+    def _round_done(self, index: int, verdict: CheckVerdict, final: bool) -> None:
+        """``netcheck_result`` after every check round: what is known so far."""
+        run = self.run
+        name = self._name
+        self._emit(
+            "netcheck_result",
+            round=index,
+            generation=run.generation if run else None,
+            final=final,
+            faulty=sorted(name(a) for a in verdict.faulty),
+            stragglers=sorted(name(a) for a in verdict.stragglers),
+            unresolved=sorted(name(a) for a in verdict.unresolved),
+            timings={name(a): round(t, 4) for a, t in verdict.timings_s.items()},
+            median_s=verdict.median_s,
+            seconds=round(self._clock() - run.started, 3) if run else None,
+        )
