@@ -77,8 +77,10 @@ def test_four_node_job_survives_killed_worker_and_ranks_follow_topology(
     }
     evs = events(_job_dir(shared_tmp, job))
     assert _last_round_nodes(evs) == ["node1", "node3", "node2", "node4"]
+    # The killed rank is reported; its peers on other nodes fail too (their collective lost
+    # it) and may be heard first, but the restart budget is charged once.
     failed = named(evs, "worker_failed")
-    assert failed[0]["rank"] == 5 and failed[0]["signal"] == "SIGKILL"
+    assert any(e["rank"] == 5 and e["signal"] == "SIGKILL" for e in failed), failed
     assert [e["restart_count"] for e in named(evs, "workers_restarted")] == [1]
     assert named(evs, "job_finished")[-1]["exit_code"] == 0
     # A healthy network check ran before the start and again before the restart.
