@@ -18,6 +18,7 @@ from dlrover_hpc.agent.workers import WorkerFailure, WorkerGroup
 from dlrover_hpc.agent.zygote import Zygote
 from dlrover_hpc.checkpoint.saver import SaverHost
 from dlrover_hpc.cli.run_args import RunConfig
+from dlrover_hpc.diagnosis.classify import Diagnosis
 from dlrover_hpc.netcheck.probe import run_probe_subprocess
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
@@ -201,19 +202,8 @@ class Agent:
                 first.signal,
                 kind,
             )
-            await self.client.request(
-                m.WorkerFailed(
-                    agent_id=self.agent_id,
-                    round=a.round,
-                    local_rank=first.local_rank,
-                    rank=first.rank,
-                    exit_code=first.exit_code,
-                    signal=first.signal,
-                    classification=kind,
-                    reason=f"{diagnosis.reason} [{'; '.join(diagnosis.evidence)[:600]}]",
-                ),
-                m.Ack,
-                timeout_s=30,
+            await self._report_failure(
+                a, first.local_rank, diagnosis, exit_code=first.exit_code, signal=first.signal
             )
         await self._stop_workers()
         return outcome
@@ -259,14 +249,26 @@ class Agent:
             return
         local_rank, diagnosis = found
         log.warning("hardware fault in the log of local_rank=%d: %s", local_rank, diagnosis.reason)
+        await self._report_failure(a, local_rank, diagnosis, exit_code=None, signal=None)
+
+    async def _report_failure(
+        self,
+        a: m.Assignment,
+        local_rank: int,
+        diagnosis: Diagnosis,
+        *,
+        exit_code: int | None,
+        signal: str | None,
+    ) -> None:
+        assert self.client is not None
         await self.client.request(
             m.WorkerFailed(
                 agent_id=self.agent_id,
                 round=a.round,
                 local_rank=local_rank,
                 rank=a.rank_offset + local_rank,
-                exit_code=None,
-                signal=None,
+                exit_code=exit_code,
+                signal=signal,
                 classification=diagnosis.kind.value,
                 reason=f"{diagnosis.reason} [{'; '.join(diagnosis.evidence)[:600]}]",
             ),

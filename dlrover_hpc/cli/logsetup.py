@@ -5,6 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
+from collections.abc import Callable
+
+from dlrover_hpc.errors import DlroverHpcError, UsageError
 
 
 class _ContextFilter(logging.Filter):
@@ -15,6 +19,20 @@ class _ContextFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.ctx = self.context
         return True
+
+
+def exit_code_of(prog: str, command: Callable[[], int]) -> int:
+    """Run ``command``; bad usage or input exits 2, our other errors 1, Ctrl-C 130."""
+    try:
+        return int(command())
+    except UsageError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except DlroverHpcError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 def setup_logging(role: str, *, level: str | None = None) -> None:

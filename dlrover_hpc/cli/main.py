@@ -8,8 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from dlrover_hpc.cli import commands, local_slurm
-from dlrover_hpc.cli.logsetup import setup_logging
-from dlrover_hpc.errors import DlroverHpcError, UsageError
+from dlrover_hpc.cli.logsetup import exit_code_of, setup_logging
 from dlrover_hpc.topology import cli as topology_cli
 
 log = logging.getLogger(__name__)
@@ -37,16 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(args.command, level=args.log_level)
-    try:
-        return int(args.func(args))
-    except UsageError as exc:
-        print(f"dlrover-hpc: error: {exc}", file=sys.stderr)
-        return 2
-    except DlroverHpcError as exc:
-        print(f"dlrover-hpc: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    return exit_code_of("dlrover-hpc", lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -118,8 +118,17 @@ class Job:
             sorted(self.excluded_nodes),
         )
 
-    def _alive(self) -> list[NodeRecord]:
-        return [n for n in self.nodes.values() if n.state in (NodeState.WAITING, NodeState.ACTIVE)]
+    def _participants(self) -> list[NodeRecord]:
+        """The nodes ranked in the current round (whatever their state now)."""
+        return [n for n in self.nodes.values() if n.round == self.round and n.rank >= 0]
+
+    def _waiting(self) -> list[NodeRecord]:
+        """Agents in rendezvous with a WaitRound outstanding."""
+        return [
+            n
+            for n in self.nodes.values()
+            if n.state is NodeState.WAITING and n.waiter is not None and not n.waiter.done()
+        ]
 
     def poke(self) -> None:
         self._changed.set()
@@ -269,7 +278,7 @@ class Job:
         if msg.round == self.round and rec.state is NodeState.ACTIVE:
             rec.state = NodeState.DONE
             log.info("workers succeeded node=%s rank=%d", rec.node, rec.rank)
-            participants = [n for n in self.nodes.values() if n.round == self.round and n.rank >= 0]
+            participants = self._participants()
             if self.state is JobState.RUNNING and all(
                 n.state is NodeState.DONE for n in participants
             ):
@@ -346,14 +355,10 @@ class Job:
 
     def _scale_up(self) -> None:
         """Running below MAX and new agents (replacements) wait: take them in."""
-        current = [n for n in self.nodes.values() if n.round == self.round and n.rank >= 0]
+        current = self._participants()
         if any(n.state is not NodeState.ACTIVE for n in current):
             return
-        ready = [
-            n
-            for n in self.nodes.values()
-            if n.state is NodeState.WAITING and n.waiter is not None and not n.waiter.done()
-        ]
+        ready = self._waiting()
         if ready and usable_count(self.params, len(current) + len(ready)) > len(current):
             self.open_round(f"scale up: {len(ready)} more node(s) waiting")
 
@@ -441,12 +446,8 @@ class Job:
                 if self._remove_node is not None and self.config.drain is not DrainMode.OFF:
                     self._remove_node(node, reason)
         now = self._clock()
-        waiting = [
-            n
-            for n in self.nodes.values()
-            if n.state is NodeState.WAITING and n.waiter is not None and not n.waiter.done()
-        ]
-        alive = [n for n in self._alive() if n.state is not NodeState.LOST]
+        waiting = self._waiting()
+        alive = [n for n in self.nodes.values() if n.state in (NodeState.WAITING, NodeState.ACTIVE)]
         decision = decide(
             params=self.params,
             waiting=[
@@ -477,9 +478,7 @@ class Job:
         return decision.wake_at
 
     def _complete(self, chosen: list[NodeRecord]) -> None:
-        previous = {
-            n.agent_id for n in self.nodes.values() if n.round == self.round and n.rank >= 0
-        }
+        previous = {n.agent_id for n in self._participants()}
         first_round = self.round == 0 or not previous
         self.round += 1
         ranked = rank_nodes([rank_input(n) for n in chosen], self._topology)

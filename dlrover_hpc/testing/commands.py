@@ -28,3 +28,32 @@ def run_checked(
             f"{shlex.join(argv)} failed with exit code {proc.returncode}: {proc.stderr.strip()}"
         )
     return proc.stdout
+
+
+def node_argv(
+    *, netns: str, hostname: str, hosts_file: str, shm_size: str, command: str
+) -> list[str]:
+    """argv that runs the shell ``command`` as a node of a test cluster: in the network
+    namespace ``netns``, with private UTS, mount and IPC namespaces holding its own host name,
+    ``/etc/hosts`` (bind-mounted ``hosts_file``) and ``/dev/shm``.
+
+    nsenter + unshare rather than ``ip netns exec``: the latter remounts /sys, which hides
+    /sys/fs/cgroup, and slurmd then refuses to start.
+    """
+    setup = (
+        f"hostname {hostname} && mount --bind {hosts_file} /etc/hosts && "
+        f"mount -t tmpfs -o size={shm_size},mode=1777 tmpfs /dev/shm && exec {command}"
+    )
+    return [
+        "nsenter",
+        f"--net=/run/netns/{netns}",
+        "unshare",
+        "--uts",
+        "--mount",
+        "--ipc",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        setup,
+    ]

@@ -22,11 +22,12 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dlrover_hpc.errors import LocalSlurmError
-from dlrover_hpc.testing.commands import run_checked
+from dlrover_hpc.testing.commands import node_argv, run_checked
+from dlrover_hpc.testing.wait import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -105,13 +106,13 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _wait(predicate, *, timeout_s: float, what: str, interval_s: float = 0.1) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval_s)
-    raise LocalSlurmError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+def _wait(
+    predicate: Callable[[], object], *, timeout_s: float, what: str, interval_s: float = 0.1
+) -> None:
+    try:
+        wait_for(predicate, timeout_s=timeout_s, what=what, interval_s=interval_s)
+    except TimeoutError as exc:
+        raise LocalSlurmError(str(exc)) from None
 
 
 class LocalSlurm:
@@ -350,24 +351,13 @@ PartitionName=debug Nodes={hostlist} Default=YES MaxTime=INFINITE State=UP
     def _start_slurmd(self, node: str) -> int:
         sd = self.config.state_dir
         (sd / "spool" / node).mkdir(parents=True, exist_ok=True)
-        setup = (
-            f"hostname {node} && mount --bind {sd}/hosts /etc/hosts && "
-            f"mount -t tmpfs -o size={self.config.shm_size},mode=1777 tmpfs /dev/shm && "
-            f"exec slurmd -D -N {node}"
+        argv = node_argv(
+            netns=netns_name(node),
+            hostname=node,
+            hosts_file=f"{sd}/hosts",
+            shm_size=self.config.shm_size,
+            command=f"slurmd -D -N {node}",
         )
-        argv = [
-            "nsenter",
-            f"--net=/run/netns/{netns_name(node)}",
-            "unshare",
-            "--uts",
-            "--mount",
-            "--ipc",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            setup,
-        ]
         return self._spawn(argv, f"slurmd-{node}.stdout")
 
     def _wait_idle(self, timeout_s: float = 60.0) -> None:

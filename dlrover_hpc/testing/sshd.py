@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 
 from dlrover_hpc.errors import DlroverHpcError
-from dlrover_hpc.testing.commands import run_checked
+from dlrover_hpc.testing.commands import node_argv, run_checked
 
 SSHD = "/usr/sbin/sshd"
 _POLICY_RC = Path("/usr/sbin/policy-rc.d")
@@ -227,24 +227,13 @@ LogLevel INFO
 
     def _start_sshd(self, host: str) -> subprocess.Popen[bytes]:
         hdir = self.state_dir / host
-        setup = (
-            f"hostname {host} && mount --bind {self.state_dir / 'hosts'} /etc/hosts && "
-            f"mount -t tmpfs -o size={self.config.shm_size},mode=1777 tmpfs /dev/shm && "
-            f"exec {SSHD} -D -e -f {hdir / 'sshd_config'}"
+        argv = node_argv(
+            netns=netns_name(host),
+            hostname=host,
+            hosts_file=str(self.state_dir / "hosts"),
+            shm_size=self.config.shm_size,
+            command=f"{SSHD} -D -e -f {hdir / 'sshd_config'}",
         )
-        argv = [
-            "nsenter",
-            f"--net=/run/netns/{netns_name(host)}",
-            "unshare",
-            "--uts",
-            "--mount",
-            "--ipc",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            setup,
-        ]
         with open(hdir / "sshd.log", "ab") as logf:
             return subprocess.Popen(
                 argv,
