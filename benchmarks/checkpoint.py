@@ -49,25 +49,25 @@ DLROVER_FIRST_SAVE_S = 2.5  # baselines-measured.md section 3, 0.95 GiB, dlrover
 GOALS = {"warm_save": 1.15, "first_save_vs_dlrover": 0.5, "persist": 0.8, "restore": 1.5}
 
 
-def gpt_state(size_gib: float) -> dict[str, torch.Tensor]:
+def gpt_state(size_gib: float, device: str = "cpu") -> dict[str, torch.Tensor]:
     """388 tensors like GPT-2 blocks; hidden size chosen to reach `size_gib`."""
     target = size_gib * 2**30
     hidden = 64
     while _bytes(hidden + 8) <= target:
         hidden += 8
-    return _make(hidden)
+    return _make(hidden, device)
 
 
 def _bytes(h: int) -> int:
     return 1152 * h * h + 1664 * h + 50257 * h * 2 + 1024 * h * 4 + 8 * h
 
 
-def _make(h: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
+def _make(h: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device).manual_seed(0)
     sd: dict[str, torch.Tensor] = {}
 
     def t(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return torch.randn(shape, generator=gen).to(dtype)
+        return torch.randn(shape, generator=gen, device=device).to(dtype)
 
     sd["wte.weight"] = t((50257, h), torch.bfloat16)
     sd["wpe.weight"] = t((1024, h), torch.float32)

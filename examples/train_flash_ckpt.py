@@ -36,21 +36,30 @@ def main() -> None:
     p.add_argument("--fail-rank", type=int, default=0)
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
     p.add_argument("--result", default=None, help="rank 0 writes a JSON summary here")
+    p.add_argument(
+        "--backend",
+        choices=["auto", "nccl", "gloo"],
+        default="auto",
+        help="process group backend (auto: nccl with a GPU, gloo without, only when WORLD_SIZE>1; "
+        "naming one starts a group even for one process)",
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     use_cuda = torch.cuda.is_available()
-    if world > 1:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank = dist.get_rank() if world > 1 else 0
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else None
     if device is not None:
         torch.cuda.set_device(device)
+    grouped = world > 1 or args.backend != "auto"
+    if grouped:
+        backend = args.backend if args.backend != "auto" else ("nccl" if use_cuda else "gloo")
+        dist.init_process_group(backend)
+    rank = dist.get_rank() if grouped else 0
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)).to(device or "cpu")
-    net = DDP(model, device_ids=[device] if device is not None else None) if world > 1 else model
+    net = DDP(model, device_ids=[device] if device is not None else None) if grouped else model
     opt = torch.optim.Adam(net.parameters(), lr=0.01)
 
     ckpt = DdpCheckpointer(args.ckpt_dir, keep_last=args.keep_last)
@@ -99,11 +108,13 @@ def main() -> None:
                     "loss": float(loss.detach()),
                     "committed": committed,
                     "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                    "device": str(device or "cpu"),
+                    "backend": dist.get_backend() if grouped else None,
                 },
                 f,
             )
     ckpt.close()
-    if world > 1:
+    if grouped:
         dist.barrier()
         dist.destroy_process_group()
 

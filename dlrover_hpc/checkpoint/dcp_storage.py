@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from dlrover_hpc.checkpoint.cuda import cuda_device
 from dlrover_hpc.checkpoint.restore import views_from_file
 from dlrover_hpc.checkpoint.shm import HEADER_SIZE, Header, Segment
 from dlrover_hpc.checkpoint.storage import Storage
@@ -94,7 +95,7 @@ class ShmStorageWriter(StorageWriter):
     def __init__(
         self,
         *,
-        acquire: Callable[[int, int], Segment],
+        acquire: Callable[[int, int, torch.device | None], Segment],
         copy: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None],
         rank: int,
         token: int,
@@ -182,7 +183,8 @@ class ShmStorageWriter(StorageWriter):
             "items": rows,
             "planner_data": _plain_planner_data(self._planner_data),
         }
-        segment = self._acquire(image_len, 4096 + 160 * len(rows) + 48 * len(crc))
+        device = cuda_device(t for _, t in copies)  # the segment is page-locked for it
+        segment = self._acquire(image_len, 4096 + 160 * len(rows) + 48 * len(crc), device)
         assert segment.mm is not None
         try:
             seq = segment.begin_write()

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
+from dlrover_hpc.checkpoint.cuda import DeviceSnapshot, cuda_device, target_device
 from dlrover_hpc.checkpoint.engine import Engine
 from dlrover_hpc.checkpoint.env import WorkerEnv
 from dlrover_hpc.checkpoint.link import SaverLink
@@ -65,6 +66,7 @@ class _TorchFileCheckpointer(abc.ABC):
         events: EventSink | None = None,
         env: WorkerEnv | None = None,
         link: SaverLink | None = None,
+        device_snapshot: bool | None = None,
     ) -> None:
         self.checkpoint_dir = checkpoint_dir
         self.verify = verify
@@ -79,6 +81,7 @@ class _TorchFileCheckpointer(abc.ABC):
             tag=tag,
             events=events,
             link=link,
+            device_snapshot=device_snapshot,
         )
         self._layout: TorchFileLayout | None = None
         #: (step, "memory" | "storage") of the last successful load_checkpoint()
@@ -117,18 +120,74 @@ class _TorchFileCheckpointer(abc.ABC):
         try:
             return self._save(step, state_dict, path, storage_type, t0)
         except CheckpointError as exc:
-            logger.warning(
-                "checkpoint save_failed step=%d error=%s: training continues and the previous "
-                "checkpoint stays intact",
-                step,
-                exc,
-            )
-            engine.emit("checkpoint_save_failed", step=step, error=str(exc))
+            self._failed(step, exc)
             return False
 
     def _save(self, step: int, state: Any, path: str, storage_type: StorageType, t0: float) -> bool:
         engine = self._engine
         pkl, tensors = pickle_state(state)
+        device = cuda_device(tensors)
+        snap = None
+        if device is not None:
+            cuda = [t for t in tensors if t.is_cuda]
+            signature = tensor_signature(cuda)
+            snap = engine.snapshot_for(device, cuda, signature)
+        if snap is None:
+            return self._write(step, pkl, tensors, path, storage_type, t0, device=device)
+        # GPU tensors: copy on the device and return; the drain thread writes the segment
+        taken = iter(snap.take(cuda, signature))
+        sources = [next(taken) if t.is_cuda else t.clone() for t in tensors]
+        blocking = time.perf_counter() - t0
+        if storage_type == StorageType.DISK:
+            engine.last_disk_step = step
+
+        def write() -> None:
+            try:
+                self._write(
+                    step,
+                    pkl,
+                    sources,
+                    path,
+                    storage_type,
+                    t0,
+                    device=device,
+                    snapshot=snap,
+                    blocking_s=blocking,
+                )
+            except CheckpointError as exc:
+                self._failed(step, exc)
+            except Exception:  # the drain thread's boundary: log it, keep training
+                logger.exception("checkpoint deferred_save_failed step=%d", step)
+                engine.emit("checkpoint_save_failed", step=step, error="unexpected error")
+
+        engine.defer(write)
+        return True
+
+    def _failed(self, step: int, exc: CheckpointError) -> None:
+        logger.warning(
+            "checkpoint save_failed step=%d error=%s: training continues and the previous "
+            "checkpoint stays intact",
+            step,
+            exc,
+        )
+        self._engine.emit("checkpoint_save_failed", step=step, error=str(exc))
+
+    def _write(
+        self,
+        step: int,
+        pkl: bytes,
+        tensors: list[torch.Tensor],
+        path: str,
+        storage_type: StorageType,
+        t0: float,
+        *,
+        device: torch.device | None,
+        snapshot: DeviceSnapshot | None = None,
+        blocking_s: float | None = None,
+    ) -> bool:
+        """Lays out the archive and fills a segment with it; with a snapshot, `tensors` holds
+        its views and this runs on the drain thread."""
+        engine = self._engine
         layout = self._layout
         if layout is None or layout.signature != tensor_signature(tensors):
             layout = self._layout = TorchFileLayout(tensors)
@@ -149,11 +208,14 @@ class _TorchFileCheckpointer(abc.ABC):
                 "slots": {s.key: s.offset for s in layout.slots},
             },
         )
-        seg, waited = engine.acquire(image_len, len(meta) + 4096)
+        seg, waited = engine.acquire(image_len, len(meta) + 4096, device)
         try:
             seq = seg.begin_write()
-            views = self._views(seg, layout)
-            engine.copier.copy(list(zip(views, tensors, strict=True)))
+            pairs = list(zip(self._views(seg, layout), tensors, strict=True))
+            if snapshot is not None:
+                snapshot.drain([(d, s) for d, s in pairs if s.is_cuda])
+                pairs = [(d, s) for d, s in pairs if not s.is_cuda]
+            engine.copier.copy(pairs)
             assert seg.mm is not None
             seg.mm[HEADER_SIZE + tail.offset : HEADER_SIZE + image_len] = tail.data
             engine.finish(seg, seq=seq, step=step, image_len=image_len, meta=meta)
@@ -162,9 +224,16 @@ class _TorchFileCheckpointer(abc.ABC):
             raise
         finally:
             seg.unlock()
-        blocking = time.perf_counter() - t0
-        logger.debug("checkpoint saved step=%d seconds=%.4f waited=%.4f", step, blocking, waited)
-        return engine.after_write(seg, step=step, storage_type=storage_type, blocking_s=blocking)
+        total = time.perf_counter() - t0
+        logger.debug("checkpoint saved step=%d seconds=%.4f waited=%.4f", step, total, waited)
+        return engine.after_write(
+            seg,
+            step=step,
+            storage_type=storage_type,
+            blocking_s=total if blocking_s is None else blocking_s,
+            total_s=total,
+            device=device,
+        )
 
     @staticmethod
     def _views(seg: Segment, layout: TorchFileLayout) -> list[torch.Tensor]:
@@ -214,6 +283,7 @@ class _TorchFileCheckpointer(abc.ABC):
         engine.set_token(choice.token)
         result: Any = None
         step = choice.step
+        device = target_device(state_dict)
         if choice.source == Source.MEMORY:
             ms = in_memory[step]
             ms.segment.lock(exclusive=False)
@@ -240,7 +310,7 @@ class _TorchFileCheckpointer(abc.ABC):
             step, result = with_fallback(agreement, list(records), choice.step, load)
         for ms in in_memory.values():
             if ms.segment.path != engine.segment_path(ms.buffer):
-                ms.segment.close()
+                engine.close_later(ms.segment)
         if result is None:
             logger.info("checkpoint restore_none: no checkpoint in memory or storage")
             return {}
@@ -248,12 +318,13 @@ class _TorchFileCheckpointer(abc.ABC):
         seconds = time.perf_counter() - t0
         logger.info("checkpoint restored step=%d source=%s seconds=%.3f", step, source, seconds)
         self.last_restored = (step, source)
-        engine.prefault_in_background()
+        engine.prefault_in_background(device)
         engine.emit("checkpoint_restored", step=step, source=source, restore_s=round(seconds, 6))
         return result if isinstance(result, dict) else {"state": result}
 
     def wait_latest_checkpoint(self, timeout_s: float = 1800.0) -> bool:
         """Until the newest DISK save is committed on storage; False on timeout or failure."""
+        self._engine.wait_pending()
         step = self._engine.last_disk_step
         if step is None:
             return True

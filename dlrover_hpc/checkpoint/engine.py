@@ -4,6 +4,10 @@ A save takes a buffer under LOCK_EX: the one not holding the newest step when th
 not pinned it, else the other one; only when the saver pins both (two persists queued) does a
 save wait, and that wait is logged and reported as blocking time.  Segments stay mapped for
 the life of the process; the second one is created and pre-faulted in a background thread.
+
+With GPU tensors the segments are page-locked for CUDA (`cuda.register_host`), and a save may
+return after an on-device snapshot while one drain thread writes the segment (`defer`); every
+path that reads or writes segments waits for that drain first.
 """
 
 from __future__ import annotations
@@ -17,10 +21,15 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+import torch
 
 from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
 from dlrover_hpc.checkpoint.commit import CheckpointDir
+from dlrover_hpc.checkpoint.cuda import DeviceSnapshot, SnapshotPolicy, register_host
 from dlrover_hpc.checkpoint.env import WorkerEnv, segment_name
 from dlrover_hpc.checkpoint.events import JsonlEventSink
 from dlrover_hpc.checkpoint.link import SaverLink, connect
@@ -30,6 +39,9 @@ from dlrover_hpc.checkpoint.transfer import Copier
 from dlrover_hpc.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
+
+#: threads that pre-fault a segment before it is page-locked (first-touch zeroing scales)
+PREFAULT_THREADS = 8
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,6 +70,7 @@ class Engine:
         events: EventSink | None = None,
         link: SaverLink | None = None,
         max_wait_s: float = 600.0,
+        device_snapshot: bool | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last={keep_last} must be at least 1 (or None: keep all)")
@@ -89,8 +102,20 @@ class Engine:
         #: re-populates page tables of segments mapped after a restart (nobody waits for it)
         self._warm: threading.Thread | None = None
         self.last_disk_step: int | None = None
+        #: whether a save of GPU state may return after an on-device copy
+        self.snapshot_policy = SnapshotPolicy.from_env(device_snapshot)
+        self._snapshot: DeviceSnapshot | None = None
+        #: one thread writes deferred saves into the segments, in order
+        self._drainer: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
+        self._thread = threading.local()
+        self._pin_lock = threading.Lock()
+        self._pin_refused = False
+        #: segments of other ranks opened for a restore and pinned ahead of it (DDP leader's)
+        self._readers: dict[str, Segment] = {}
         self._closed = False
         atexit.register(_close_at_exit, weakref.ref(self))
+        self._pin_existing_in_background()
 
     # ------------------------------------------------------------------------ naming
     def segment_path(self, buffer: int, *, rank: int | None = None) -> str:
@@ -106,11 +131,18 @@ class Engine:
         return seg
 
     # ------------------------------------------------------------------------ writing
-    def acquire(self, image_len: int, meta_len: int) -> tuple[Segment, float]:
-        """A buffer locked for writing and large enough; returns it and the seconds waited."""
+    def acquire(
+        self, image_len: int, meta_len: int, device: torch.device | None = None
+    ) -> tuple[Segment, float]:
+        """A buffer locked for writing and large enough (page-locked for `device`, a GPU);
+        returns it and the seconds waited."""
+        self.wait_pending()
         if self._prepare is not None:
             self._prepare.join()
             self._prepare = None
+        if device is not None and self._warm is not None:  # it may be pinning these segments
+            self._warm.join()
+            self._warm = None
         order = [0, 1] if self._newest is None else [1 - self._newest, self._newest]
         size = needed_size(image_len, meta_len)
         t0 = time.perf_counter()
@@ -126,7 +158,10 @@ class Engine:
                             "persist takes",
                             waited,
                         )
-                    return self._grow(seg, size), waited
+                    self._grow(seg, size)
+                    if device is not None:
+                        self.pin(seg, device)
+                    return seg, waited
             if time.perf_counter() - t0 > self.max_wait_s:
                 raise CheckpointError(
                     f"both shared-memory buffers stayed pinned by the saver for "
@@ -172,13 +207,24 @@ class Engine:
         return json.dumps(meta, separators=(",", ":")).encode()
 
     def after_write(
-        self, seg: Segment, *, step: int, storage_type: StorageType, blocking_s: float
+        self,
+        seg: Segment,
+        *,
+        step: int,
+        storage_type: StorageType,
+        blocking_s: float,
+        total_s: float | None = None,
+        device: torch.device | None = None,
     ) -> bool:
-        """Starts the second buffer's preparation, asks for a persist, emits the event."""
+        """Starts the second buffer's preparation, asks for a persist, emits the event
+        (`blocking_s`: training was held; `total_s`: until the step was whole in memory)."""
         ok = True
         if self._segments[1] is None and self._prepare is None:
             self._prepare = threading.Thread(
-                target=self._prepare_other, args=(seg.size,), name="ckpt-prefault", daemon=True
+                target=self._prepare_other,
+                args=(seg.size, device),
+                name="ckpt-prefault",
+                daemon=True,
             )
             self._prepare.start()
         if storage_type == StorageType.DISK:
@@ -199,10 +245,11 @@ class Engine:
             step=step,
             storage=storage_type.value,
             blocking_s=round(blocking_s, 6),
+            total_s=round(blocking_s if total_s is None else total_s, 6),
         )
         return ok
 
-    def _prepare_other(self, size: int) -> None:
+    def _prepare_other(self, size: int, device: torch.device | None) -> None:
         try:
             seg = self._segment(1)
             if not seg.try_lock(exclusive=True):
@@ -211,9 +258,117 @@ class Engine:
                 seg.ensure_size(size)
             finally:
                 seg.unlock()
-            seg.prefault()
+            if device is not None:
+                self.pin(seg, device)
+            else:
+                seg.prefault()
         except (OSError, CheckpointError) as exc:
             logger.warning("checkpoint second_buffer_failed error=%s", exc)
+
+    # ------------------------------------------------------------------------ GPU
+    def pin(self, seg: Segment, device: torch.device) -> bool:
+        """Page-locks `seg` for CUDA once per mapping (pre-faulting it first on several
+        threads, which is 10x faster than letting the registration fault it)."""
+        if seg.pin is not None:
+            return True
+        with self._pin_lock:
+            if self._pin_refused or seg.mm is None:
+                return False
+            if seg.pin is not None:
+                return True
+            t0 = time.perf_counter()
+            seg.prefault(threads=PREFAULT_THREADS)
+            seg.pin = register_host(seg.address(), seg.size, device)
+            if seg.pin is None:
+                self._pin_refused = True
+                return False
+            logger.debug(
+                "checkpoint pinned path=%s bytes=%d seconds=%.3f",
+                seg.path,
+                seg.size,
+                time.perf_counter() - t0,
+            )
+            return True
+
+    def snapshot_for(
+        self, device: torch.device, tensors: list[torch.Tensor], signature: tuple[Any, ...]
+    ) -> DeviceSnapshot | None:
+        """The device snapshot to take this save into, or None to copy to host now.
+
+        Waits for the previous save's drain (the snapshot is reused)."""
+        if not self.snapshot_policy.enabled:
+            return None
+        self.wait_pending()
+        snap = self._snapshot
+        if snap is None or snap.device != device:
+            if snap is not None:
+                snap.release()
+            snap = self._snapshot = DeviceSnapshot(device, self.snapshot_policy)
+        if not snap.fits(tensors, signature):
+            snap.release()
+            logger.info(
+                "checkpoint device_snapshot_skipped: the GPU has no room for a second copy of "
+                "the state; this save copies to shared memory directly"
+            )
+            return None
+        return snap
+
+    def defer(self, write: Callable[[], None]) -> None:
+        """Runs `write` (the rest of a save) on the drain thread; the next caller of
+        `wait_pending` waits for it."""
+        if self._drainer is None:
+            self._drainer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-drain")
+
+        def run() -> None:
+            self._thread.draining = True  # its own acquire() must not wait for itself
+            write()
+
+        self._pending = self._drainer.submit(run)
+
+    def wait_pending(self) -> None:
+        if getattr(self._thread, "draining", False):
+            return
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    @staticmethod
+    def close_later(seg: Segment) -> None:
+        """Closes another rank's segment off the caller's path (unpinning 2 GiB takes 40 ms)."""
+        if seg.pin is None:
+            seg.close()
+            return
+        threading.Thread(target=seg.close, name="ckpt-unpin", daemon=True).start()
+
+    def _pin_existing_in_background(self) -> None:
+        """After a restart, maps and page-locks the segments this rank will restore from, so
+        `load_checkpoint` copies into the GPU at DMA speed without paying for it."""
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return
+        device = torch.device("cuda", torch.cuda.current_device())
+        leader = self.env.rank - self.env.local_rank
+        owner = leader if self.kind == PartKind.DDP else self.env.rank
+        paths = [self.segment_path(b, rank=owner) for b in (0, 1)]
+        segments: list[Segment] = []
+        for buffer, path in enumerate(paths):  # opened here: the thread only pins them
+            try:
+                if owner == self.env.rank:
+                    if os.path.exists(path):
+                        segments.append(self._segment(buffer))
+                else:
+                    self._readers[path] = Segment(path, writable=False, shared_read=True)
+                    segments.append(self._readers[path])
+            except OSError as exc:
+                logger.debug("checkpoint pin_existing_skipped path=%s error=%s", path, exc)
+        if not segments:
+            return
+
+        def run() -> None:
+            for seg in segments:
+                self.pin(seg, device)
+
+        self._warm = threading.Thread(target=run, name="ckpt-pin", daemon=True)
+        self._warm.start()
 
     def wait_prepared(self) -> None:
         """Until background buffer preparation is done (benchmarks, tests, close)."""
@@ -221,24 +376,34 @@ class Engine:
             if thread is not None:
                 thread.join()
 
-    def prefault_in_background(self) -> None:
+    def prefault_in_background(self, device: torch.device | None = None) -> None:
         """After a restart the segments are mapped anew; populating their page tables off the
-        training path keeps the next save at memcpy speed (a fresh mapping faults 3x slower)."""
+        training path keeps the next save at memcpy speed (a fresh mapping faults 3x slower);
+        with a GPU they are page-locked too."""
         segments = [seg for seg in self._segments if seg is not None and seg.mm is not None]
-        if not segments or self._warm is not None:
+        if not segments or (self._warm is not None and self._warm.is_alive()):
             return
 
         def run() -> None:
             for seg in segments:
-                seg.prefault()
+                if device is not None:
+                    self.pin(seg, device)
+                else:
+                    seg.prefault()
 
         self._warm = threading.Thread(target=run, name="ckpt-prefault", daemon=True)
         self._warm.start()
 
     # ------------------------------------------------------------------------ reading
     def memory_steps(self) -> dict[int, MemoryStep]:
-        """Complete steps held in this rank's segments (the node leader's for DDP)."""
-        self.wait_prepared()
+        """Complete steps held in this rank's segments (the node leader's for DDP).
+
+        Does not wait for segments being page-locked in the background: a restore copies
+        from them as they are (registering costs more than it saves for one copy)."""
+        self.wait_pending()
+        if self._prepare is not None:
+            self._prepare.join()
+            self._prepare = None
         leader = self.env.rank - self.env.local_rank
         rank = leader if self.kind == PartKind.DDP else self.env.rank
         found: dict[int, MemoryStep] = {}
@@ -250,10 +415,10 @@ class Engine:
                 seg = self._segment(buffer)
                 seg.remap_if_grown()
             else:
-                try:
-                    seg = Segment(path, writable=False, private=True)
-                except FileNotFoundError:
+                opened = self._reader(path)
+                if opened is None:
                     continue
+                seg = opened
             if not seg.try_lock(exclusive=False):
                 continue
             try:
@@ -268,6 +433,24 @@ class Engine:
         if rank == self.env.rank and found:
             self._newest = found[max(found)].buffer
         return found
+
+    def _reader(self, path: str) -> Segment | None:
+        """Another rank's segment for reading: the one pinned ahead of the restore if it is
+        still current, else mapped now (None when it does not exist)."""
+        seg = self._readers.pop(path, None)
+        if seg is not None and not seg.stale():
+            return seg
+        if seg is not None:
+            seg.close()
+        try:
+            return Segment(path, writable=False, shared_read=True)
+        except FileNotFoundError:
+            return None
+        except PermissionError:  # not ours to map shared: a private copy reads too
+            try:
+                return Segment(path, writable=False, private=True)
+            except FileNotFoundError:
+                return None
 
     def _usable(self, header: Header) -> bool:
         meta = header.meta
@@ -288,6 +471,7 @@ class Engine:
             logger.warning("checkpoint persist_after_restore_failed step=%d error=%s", ms.step, exc)
 
     def wait_committed(self, step: int, timeout_s: float) -> bool:
+        self.wait_pending()
         return self.link.wait_committed(self.ckpt_dir, step, timeout_s, self.env.rank, self.token)
 
     def set_token(self, token: int) -> None:
@@ -312,7 +496,17 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        try:
+            self.wait_pending()
+        finally:
+            if self._drainer is not None:
+                self._drainer.shutdown(wait=True)
         self.wait_prepared()
+        if self._snapshot is not None:
+            self._snapshot.release()
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
         self.link.close()
         self.copier.close()
         remove = self.link.in_process if remove_segments is None else remove_segments

@@ -15,6 +15,7 @@ import posixpath
 import time
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -109,8 +110,8 @@ class FsdpShardCheckpointer:
         blocking = time.perf_counter() - t0
         return engine.after_write(seg, step=step, storage_type=storage_type, blocking_s=blocking)
 
-    def _acquire(self, image_len: int, meta_len: int) -> Segment:
-        seg, self._waited = self._engine.acquire(image_len, meta_len)
+    def _acquire(self, image_len: int, meta_len: int, device: torch.device | None) -> Segment:
+        seg, self._waited = self._engine.acquire(image_len, meta_len, device)
         return seg
 
     def _finish(

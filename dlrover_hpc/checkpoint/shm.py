@@ -24,9 +24,10 @@ import mmap
 import os
 import re
 import struct
+import threading
 import time
 import zlib
-from typing import Any
+from typing import Any, Protocol
 
 from dlrover_hpc.checkpoint.env import BUFFERS
 from dlrover_hpc.errors import CheckpointError
@@ -97,17 +98,31 @@ def needed_size(image_len: int, meta_len: int) -> int:
     return (raw + (2 << 20) - 1) // (2 << 20) * (2 << 20)
 
 
+class Attachment(Protocol):
+    """Something bound to a mapping's addresses (a CUDA host registration) that must be
+    released before the mapping goes away."""
+
+    def release(self) -> None: ...
+
+
 class Segment:
     """A segment mapped read-write by its owning trainer, or read-only by anyone else.
 
-    `private` maps a read-only segment copy-on-write, so torch can build views over it.
+    `private` maps a read-only segment copy-on-write, so torch can build views over it;
+    `shared_read` maps another process's segment shared and writable at the page level (so
+    CUDA can page-lock it without copying every page), though nothing here writes to it.
     """
 
-    def __init__(self, path: str, *, writable: bool, private: bool = False) -> None:
+    def __init__(
+        self, path: str, *, writable: bool, private: bool = False, shared_read: bool = False
+    ) -> None:
         self.path = path
         self.writable = writable
-        self.private = private
-        flags = os.O_RDWR | os.O_CREAT if writable else os.O_RDONLY
+        self.private = private and not shared_read
+        self.shared_read = shared_read
+        flags = os.O_RDONLY
+        if writable or shared_read:
+            flags = os.O_RDWR | (os.O_CREAT if writable else 0)
         self.fd = os.open(path, flags, 0o600)
         self.mm: mmap.mmap | None = None
         self.size = 0
@@ -115,16 +130,19 @@ class Segment:
         self._locked = 0
         #: cached tensor views over `mm` (owned by the engine); dropped before a remap
         self.views: Any = None
+        #: a CUDA host registration of `mm` (trainer side); released before any unmap
+        self.pin: Attachment | None = None
         self._map(os.fstat(self.fd).st_size)
 
     def _map(self, size: int) -> None:
         self.views = None
+        self.release_pin()
         if self.mm is not None:
             self.mm.close()
             self.mm = None
         self.size = size
         if size:
-            access = mmap.ACCESS_WRITE if self.writable else mmap.ACCESS_READ
+            access = mmap.ACCESS_WRITE if self.writable or self.shared_read else mmap.ACCESS_READ
             if self.private:
                 access = mmap.ACCESS_COPY
             self.mm = mmap.mmap(self.fd, size, access=access)
@@ -169,20 +187,44 @@ class Segment:
         self._map(size)
         return True
 
-    def prefault(self) -> None:
+    def address(self) -> int:
+        """The mapping's start address (0 when unmapped or mapped read-only)."""
+        if self.mm is None or not (self.writable or self.shared_read or self.private):
+            return 0
+        anchor = ctypes.c_char.from_buffer(self.mm)
+        address = ctypes.addressof(anchor)
+        del anchor  # no export held after the call
+        return address
+
+    def prefault(self, threads: int = 1) -> None:
         """Populates the page tables for writing, off the training path.
 
         Through ctypes, which releases the GIL (mmap.madvise holds it for the whole call,
-        stalling the training thread); kernels without MADV_POPULATE_WRITE skip it.
+        stalling the training thread); kernels without MADV_POPULATE_WRITE skip it.  With
+        `threads` > 1 the range is split: first-touch zeroing of tmpfs pages scales with cores
+        (2 GiB: 0.8 s on one thread, 0.5 s on eight, measured on an H100 host).
         """
-        if self.mm is None or not self.writable:
+        if self.mm is None or not (self.writable or self.shared_read):
             return
-        anchor = ctypes.c_char.from_buffer(self.mm)
-        address = ctypes.addressof(anchor)
-        del anchor  # no export held during the call
-        if _libc().madvise(address, self.size, MADV_POPULATE_WRITE) != 0:
-            err = ctypes.get_errno()
-            logger.debug("shm prefault_unsupported path=%s error=%s", self.path, os.strerror(err))
+        address, size = self.address(), self.size
+        chunk = max(64 << 20, (size // max(1, threads) + 4095) // 4096 * 4096)
+        ranges = [(at, min(chunk, size - at)) for at in range(0, size, chunk)]
+        if len(ranges) == 1:
+            _populate(address, size, self.path)
+            return
+        workers = [
+            threading.Thread(target=_populate, args=(address + at, n, self.path), daemon=True)
+            for at, n in ranges
+        ]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+
+    def release_pin(self) -> None:
+        pin, self.pin = self.pin, None
+        if pin is not None:
+            pin.release()
 
     def begin_write(self) -> int:
         assert self.mm is not None
@@ -229,6 +271,7 @@ class Segment:
     def close(self) -> None:
         self.unlock()
         self.views = None
+        self.release_pin()
         if self.mm is not None:
             try:
                 self.mm.close()
@@ -238,6 +281,12 @@ class Segment:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _populate(address: int, size: int, path: str) -> None:
+    if _libc().madvise(address, size, MADV_POPULATE_WRITE) != 0:
+        err = ctypes.get_errno()
+        logger.debug("shm prefault_unsupported path=%s error=%s", path, os.strerror(err))
 
 
 @functools.cache

@@ -95,7 +95,7 @@ class _StatePickler(pickle.Pickler):
                 "convert it to a dense tensor first"
             )
         shape = tuple(obj.shape)
-        ident = (obj.data_ptr(), obj.dtype, shape, tuple(obj.stride()), str(obj.device))
+        ident = (obj.data_ptr(), obj.dtype, shape, tuple(obj.stride()), obj.device)
         ref = self._seen.get(ident) if obj.numel() else None
         if ref is None:
             ref = _StorageRef(

@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from dlrover_hpc.checkpoint.cuda import copy_cuda
+
 _SPLIT = 16 << 20  # split contiguous tensors into pieces of this many bytes
 
 
@@ -36,6 +38,13 @@ class Copier:
             return self._pool
 
     def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copies every pair; pairs with a GPU side are queued asynchronously (DMA when the
+        host side is pinned) and waited for once, the rest are host copies as below."""
+        if any(d.is_cuda or s.is_cuda for d, s in pairs):
+            copy_cuda([(d, s) for d, s in pairs if d.is_cuda or s.is_cuda])
+            pairs = [(d, s) for d, s in pairs if not (d.is_cuda or s.is_cuda)]
+            if not pairs:
+                return
         total = sum(d.numel() * d.element_size() for d, _ in pairs)
         if self.threads <= 1 or torch.get_num_threads() > 1 or total < (32 << 20):
             with torch.no_grad():
