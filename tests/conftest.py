@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from dlrover_hpc.checkpoint.testing import remove_job_segments
 from dlrover_hpc.testing import LocalSlurm, LocalSlurmConfig
 from dlrover_hpc.testing.leaks import take_snapshot, wait_no_leaks
 
@@ -73,3 +75,12 @@ def which(name: str) -> str:
     found = shutil.which(name)
     assert found, f"{name} is not on PATH"
     return found
+
+
+@pytest.fixture
+def job() -> Iterator[str]:
+    """A unique checkpoint job id; fails the test if it leaves a /dev/shm segment behind."""
+    job_id = f"t{uuid.uuid4().hex[:10]}"
+    yield job_id
+    left = remove_job_segments(job_id)
+    assert not left, f"test leaked shared-memory segments: {left}"

@@ -9,8 +9,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,15 +33,6 @@ from dlrover_hpc.checkpoint.testing import (
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def job() -> Iterator[str]:
-    """A unique job id; fails the test if it leaves a /dev/shm segment behind."""
-    job_id = f"t{uuid.uuid4().hex[:10]}"
-    yield job_id
-    left = remove_job_segments(job_id)
-    assert not left, f"test leaked shared-memory segments: {left}"
 
 
 def _env(job: str, *, rank: int = 0, world: int = 1, **extra: str) -> WorkerEnv:

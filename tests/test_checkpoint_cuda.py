@@ -9,9 +9,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import uuid
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,20 +26,11 @@ from dlrover_hpc.checkpoint.cuda import (
 from dlrover_hpc.checkpoint.env import WorkerEnv
 from dlrover_hpc.checkpoint.events import ListEventSink
 from dlrover_hpc.checkpoint.shm import HEADER_SIZE, Segment
-from dlrover_hpc.checkpoint.testing import remove_job_segments
 from dlrover_hpc.errors import CheckpointError
 
 pytestmark = pytest.mark.timeout(120)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GIB = 1 << 30
-
-
-@pytest.fixture
-def job() -> Iterator[str]:
-    job_id = f"t{uuid.uuid4().hex[:10]}"
-    yield job_id
-    left = remove_job_segments(job_id)
-    assert not left, f"test leaked shared-memory segments: {left}"
 
 
 def _env(job: str) -> WorkerEnv:

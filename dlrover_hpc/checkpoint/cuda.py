@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 #: cudaHostRegisterPortable: the pages count as pinned in every CUDA context of the process
 HOST_REGISTER_PORTABLE = 1
+CUDA_ERROR_CUDART_UNLOADING = 4
 ENV_DEVICE_SNAPSHOT = "DLROVER_HPC_CKPT_DEVICE_SNAPSHOT"
 #: memory the snapshot leaves free for training: this share of the GPU, and at least 1 GiB
 SNAPSHOT_RESERVE_FRACTION = 0.10
@@ -102,8 +103,14 @@ class HostPin:
             if not self._live:
                 return
             self._live = False
-        with torch.cuda.device(self.device):
-            err = int(torch.cuda.cudart().cudaHostUnregister(self.address))
+        try:
+            with torch.cuda.device(self.device):
+                err = int(torch.cuda.cudart().cudaHostUnregister(self.address))
+        except RuntimeError as exc:  # CUDA already torn down (interpreter exit)
+            logger.debug("checkpoint host_unregister_skipped error=%s", exc)
+            return
+        if err == CUDA_ERROR_CUDART_UNLOADING:  # at exit: the process's pins go with it
+            return
         if err:
             logger.warning(
                 "checkpoint host_unregister_failed address=%#x size=%d cuda_error=%d",
