@@ -258,12 +258,16 @@ class Engine:
                 seg.ensure_size(size)
             finally:
                 seg.unlock()
-            if device is not None:
-                self.pin(seg, device)
-            else:
-                seg.prefault()
+            self._warm_up(seg, device)
         except (OSError, CheckpointError) as exc:
             logger.warning("checkpoint second_buffer_failed error=%s", exc)
+
+    def _warm_up(self, seg: Segment, device: torch.device | None) -> None:
+        """Off the training path: page-locks `seg` for a GPU, else populates its page tables."""
+        if device is not None:
+            self.pin(seg, device)
+        else:
+            seg.prefault()
 
     # ------------------------------------------------------------------------ GPU
     def pin(self, seg: Segment, device: torch.device) -> bool:
@@ -346,8 +350,7 @@ class Engine:
         if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
             return
         device = torch.device("cuda", torch.cuda.current_device())
-        leader = self.env.rank - self.env.local_rank
-        owner = leader if self.kind == PartKind.DDP else self.env.rank
+        owner = self._restore_rank()
         paths = [self.segment_path(b, rank=owner) for b in (0, 1)]
         segments: list[Segment] = []
         for buffer, path in enumerate(paths):  # opened here: the thread only pins them
@@ -386,10 +389,7 @@ class Engine:
 
         def run() -> None:
             for seg in segments:
-                if device is not None:
-                    self.pin(seg, device)
-                else:
-                    seg.prefault()
+                self._warm_up(seg, device)
 
         self._warm = threading.Thread(target=run, name="ckpt-prefault", daemon=True)
         self._warm.start()
@@ -404,8 +404,7 @@ class Engine:
         if self._prepare is not None:
             self._prepare.join()
             self._prepare = None
-        leader = self.env.rank - self.env.local_rank
-        rank = leader if self.kind == PartKind.DDP else self.env.rank
+        rank = self._restore_rank()
         found: dict[int, MemoryStep] = {}
         for buffer in (0, 1):
             path = self.segment_path(buffer, rank=rank)
@@ -433,6 +432,12 @@ class Engine:
         if rank == self.env.rank and found:
             self._newest = found[max(found)].buffer
         return found
+
+    def _restore_rank(self) -> int:
+        """Whose segments this rank restores from: its own, or its node leader's for DDP."""
+        if self.kind == PartKind.DDP:
+            return self.env.rank - self.env.local_rank
+        return self.env.rank
 
     def _reader(self, path: str) -> Segment | None:
         """Another rank's segment for reading: the one pinned ahead of the restore if it is
