@@ -69,6 +69,8 @@ class Job:
         self._losses = 0  # nodes lost or excluded so far
         self._losses_replaced = 0  # ... for which replacements were requested
         self._below_min_since: float | None = None
+        #: rounds completed by this master process (a resumed one starts at 0, round does not)
+        self._rounds_here = 0
         self.nodes: dict[str, NodeRecord] = {}
         self.state = JobState.RENDEZVOUS
         self.round = 0
@@ -327,8 +329,11 @@ class Job:
                 self.node_lost(rec, "no heartbeat" if silent else "connection closed")
 
     def check_capacity(self) -> None:
-        """After hot spares: ask for a replacement job; below MIN for too long: requeue."""
-        if self.state is JobState.FINISHED or self.round == 0:
+        """After hot spares: ask for a replacement job; below MIN for too long: requeue.
+
+        Only once this master process has completed a rendezvous: a master resumed from its
+        journal waits for its agents to reach it, as a fresh one does."""
+        if self.state is JobState.FINISHED or self._rounds_here == 0:
             return
         now = self._clock()
         usable = (NodeState.WAITING, NodeState.ACTIVE, NodeState.DONE)
@@ -481,6 +486,7 @@ class Job:
         previous = {n.agent_id for n in self._participants()}
         first_round = self.round == 0 or not previous
         self.round += 1
+        self._rounds_here += 1
         ranked = rank_nodes([rank_input(n) for n in chosen], self._topology)
         self._store_port = self._stores.new_store(self.round)
         self.commits.new_generation()
