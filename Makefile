@@ -24,6 +24,7 @@ lint: venv
 	$(VENV)/bin/ruff check dlrover_hpc tests benchmarks examples
 	$(VENV)/bin/ruff format --check dlrover_hpc tests benchmarks examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test: venv lint
 	$(PY) -m pytest -q tests

@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dlrover_hpc.checkpoint.crashtest import run_trials  # noqa: E402
+from dlrover_hpc.checkpoint.crash_trials import run_trials  # noqa: E402
 from dlrover_hpc.checkpoint.testing import remove_job_segments  # noqa: E402
 
 

@@ -47,7 +47,7 @@ from checkpoint import gpt_state  # noqa: E402
 
 from dlrover_hpc.checkpoint import DdpCheckpointer, StorageType  # noqa: E402
 from dlrover_hpc.checkpoint.env import WorkerEnv  # noqa: E402
-from dlrover_hpc.checkpoint.shm import HEADER_SIZE, Segment  # noqa: E402
+from dlrover_hpc.checkpoint.saver.segments import HEADER_SIZE, Segment  # noqa: E402
 
 GOALS = {
     "warm_blocking_vs_pinned_d2h": 1.2,
@@ -130,8 +130,8 @@ def baselines(sd: dict[str, torch.Tensor], reps: int) -> dict[str, Any]:
 
 def registration(size: int, device: torch.device) -> dict[str, float]:
     """One buffer's one-time preparation, by part, on a fresh segment of the state's size."""
-    from dlrover_hpc.checkpoint.cuda import register_host
-    from dlrover_hpc.checkpoint.engine import PREFAULT_THREADS
+    from dlrover_hpc.checkpoint.trainer.cuda import register_host
+    from dlrover_hpc.checkpoint.trainer.gpu_staging import PREFAULT_THREADS
 
     path = f"/dev/shm/dlrover-hpc-bench-reg-{uuid.uuid4().hex[:8]}"
     seg = Segment(path, writable=True)

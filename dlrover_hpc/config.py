@@ -1,4 +1,8 @@
-"""Validated, frozen configuration of the agent (``dlrover-run``) and the job master."""
+"""Validated, frozen configuration of the agent (``dlrover-run``) and the job master.
+
+No argparse here: ``dlrover_hpc.cli`` turns flags into these values; the runtime packages take
+them as they are.
+"""
 
 from __future__ import annotations
 
@@ -85,6 +89,17 @@ def parse_host_port(text: str, *, flag: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """``--rdzv-conf``: ``KEY=VALUE,...`` (torchrun's spelling)."""
+    out: dict[str, str] = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--rdzv-conf={text}: expected KEY=VALUE,..., got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def env_default(name: str, default: str | None, env: Mapping[str, str] | None = None) -> str | None:
     """Default of a flag from ``DLROVER_HPC_<NAME>`` (flags win over the environment)."""
     env = os.environ if env is None else env
@@ -128,3 +143,84 @@ class MasterConfig:
                 f"heartbeat interval {self.heartbeat_interval_s} s must be shorter than the "
                 f"heartbeat timeout {self.heartbeat_timeout_s} s"
             )
+
+
+def _check_std_streams(flag: str, value: str) -> None:
+    ok = value in ("0", "1", "2", "3") or all(
+        part.count(":") == 1 and all(x.isdigit() for x in part.split(":"))
+        for part in value.split(",")
+    )
+    if not ok:
+        raise ConfigError(f"{flag}={value}: expected 0, 1, 2, 3 or LOCAL_RANK:VALUE,...")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RunConfig:
+    """One agent (``dlrover-run``); checked at construction, errors name the flag and the fix."""
+
+    nnodes: NodeRange
+    nproc_per_node: int
+    standalone: bool
+    master: tuple[str, int] | None
+    max_restarts: int
+    monitor_interval_s: float
+    start_method: str
+    role: str
+    module: bool
+    no_python: bool
+    log_dir: str | None
+    redirects: str
+    tee: str
+    local_ranks_filter: str
+    local_addr: str | None
+    shutdown_timeout_s: float
+    network_check: bool
+    exclude_straggler: bool
+    node_unit: int
+    job_dir: str | None
+    run_id: str | None
+    rdzv_conf: dict[str, str]
+    training_script: str
+    training_script_args: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        nnodes = self.nnodes
+        if self.standalone and self.master:
+            raise ConfigError(
+                "--standalone runs its own in-process master; drop --master "
+                "(or unset DLROVER_HPC_MASTER) or drop --standalone"
+            )
+        if self.standalone and nnodes.max != 1:
+            raise ConfigError(f"--standalone is for one node; got --nnodes={nnodes}")
+        if self.exclude_straggler and not self.network_check:
+            raise ConfigError(
+                "--exclude-straggler needs --network-check (stragglers are found by it)"
+            )
+        if self.node_unit < 1:
+            raise ConfigError(f"--node-unit={self.node_unit}: must be at least 1")
+        if self.node_unit > nnodes.max:
+            raise ConfigError(
+                f"--node-unit={self.node_unit} is larger than --nnodes maximum {nnodes.max}; "
+                "lower --node-unit or raise the maximum"
+            )
+        if nnodes.max // self.node_unit * self.node_unit < nnodes.min:
+            raise ConfigError(
+                f"--nnodes={nnodes} with --node-unit={self.node_unit}: no multiple of "
+                f"{self.node_unit} lies between {nnodes.min} and {nnodes.max}"
+            )
+        if self.nproc_per_node < 1:
+            raise ConfigError(
+                f"--nproc-per-node={self.nproc_per_node}: needs at least 1 worker per node"
+            )
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts={self.max_restarts}: must be 0 or more")
+        if self.monitor_interval_s <= 0:
+            raise ConfigError(f"--monitor-interval={self.monitor_interval_s}: must be > 0")
+        if self.shutdown_timeout_s < 0:
+            raise ConfigError(f"--shutdown-timeout={self.shutdown_timeout_s:g}: must be 0 or more")
+        if self.module and self.no_python:
+            raise ConfigError("--module and --no-python exclude each other; pick one")
+        if not self.training_script:
+            raise ConfigError("no training script; give it after the flags, e.g. train.py")
+        _check_std_streams("--redirects", self.redirects)
+        _check_std_streams("--tee", self.tee)

@@ -33,9 +33,5 @@ class AuthError(ProtocolError):
     """A peer failed the job-token challenge."""
 
 
-class RendezvousError(DlroverHpcError):
-    """Rendezvous could not complete (closed, timed out, too few nodes)."""
-
-
 class CheckpointError(DlroverHpcError):
     """A checkpoint could not be saved, persisted or loaded."""

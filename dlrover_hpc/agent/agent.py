@@ -9,29 +9,22 @@ import logging
 import os
 import signal
 import socket
-from enum import Enum
 from pathlib import Path
 
+from dlrover_hpc.agent.decisions import Next, Outcome, on_assignment, round_outcome, round_over
 from dlrover_hpc.agent.diagnose import Diagnoser
 from dlrover_hpc.agent.saver_link import start_saver
 from dlrover_hpc.agent.workers import WorkerFailure, WorkerGroup
 from dlrover_hpc.agent.zygote import Zygote
-from dlrover_hpc.checkpoint.saver import SaverHost
-from dlrover_hpc.cli.run_args import RunConfig
+from dlrover_hpc.checkpoint.saver.host import SaverHost
+from dlrover_hpc.config import RunConfig
 from dlrover_hpc.diagnosis.classify import Diagnosis
-from dlrover_hpc.netcheck.probe import run_probe_subprocess
+from dlrover_hpc.netcheck.launch import run_probe_subprocess
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
 from dlrover_hpc.slurm.env import parse_slurm_env
 
 log = logging.getLogger(__name__)
-
-
-class Outcome(Enum):
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    ROUND_CHANGED = "round_changed"
-    STOPPED = "stopped"  # SIGTERM/SIGINT to the agent
 
 
 class Agent:
@@ -142,18 +135,18 @@ class Agent:
                 return 143
             stop.cancel()
             assignment = wait.result()
-            status = m.NodeStatus(assignment.status)
-            if status is m.NodeStatus.FINISHED:
-                log.info(
-                    "job finished exit_code=%d reason=%s", assignment.exit_code, assignment.reason
-                )
-                return assignment.exit_code
-            if status is m.NodeStatus.NETCHECK:
+            step = on_assignment(assignment)
+            if step.next is Next.EXIT:
+                if assignment.status is m.NodeStatus.EXCLUDED:
+                    log.error("this node is excluded from the job: %s", assignment.reason)
+                else:
+                    log.info(
+                        "job finished exit_code=%d reason=%s", step.exit_code, assignment.reason
+                    )
+                return step.exit_code
+            if step.next is Next.PROBE:
                 await self._probe(assignment)
                 continue
-            if status is m.NodeStatus.EXCLUDED:
-                log.error("this node is excluded from the job: %s", assignment.reason)
-                return 1
             outcome = await self._run_round(assignment)
             if outcome is Outcome.STOPPED:
                 return 143
@@ -279,18 +272,21 @@ class Agent:
     async def _monitor(self) -> tuple[Outcome, list[WorkerFailure]]:
         interval = self.config.monitor_interval_s
         while True:
-            if self._stop.is_set():
-                return Outcome.STOPPED, []
-            changed = self._round_changed.is_set()
-            result = await asyncio.to_thread(self.workers.poll)
-            if changed and (result is None or not result.is_failed()):
+            stopped, changed = self._stop.is_set(), self._round_changed.is_set()
+            result = None if stopped else await asyncio.to_thread(self.workers.poll)
+            outcome = round_outcome(
+                stopped=stopped,
+                round_changed=changed,
+                exited=result is not None,
+                failed=result is not None and result.is_failed(),
+            )
+            if outcome is Outcome.ROUND_CHANGED:
                 log.info("round changed: stopping workers to re-rendezvous")
-                return Outcome.ROUND_CHANGED, []
-            if result is not None:  # a failure is reported even when the round moved on:
-                # it may be the cause (a hardware fault) that a peer's report raced ahead of
-                if result.is_failed():
-                    return Outcome.FAILED, self.workers.failures(result)
-                return Outcome.SUCCEEDED, []
+            if outcome is Outcome.FAILED:
+                assert result is not None
+                return outcome, self.workers.failures(result)
+            if outcome is not None:
+                return outcome, []
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval):
                     await self._round_changed.wait()
@@ -327,5 +323,5 @@ class Agent:
                 log.error("lost the master error=%s; stopping workers", exc)
                 self._stop.set()
                 return
-            if (reply.round > self.round or reply.finished) and self.workers.running:
+            if round_over(reply, my_round=self.round, workers_running=self.workers.running):
                 self._round_changed.set()

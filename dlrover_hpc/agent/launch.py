@@ -11,10 +11,9 @@ import time
 from pathlib import Path
 
 from dlrover_hpc.agent.agent import Agent
-from dlrover_hpc.cli.run_args import RunConfig, default_job_dir
-from dlrover_hpc.config import MasterConfig, NodeRange, parse_host_port
+from dlrover_hpc.config import MasterConfig, NodeRange, RunConfig, parse_host_port
 from dlrover_hpc.errors import ConfigError
-from dlrover_hpc.master.journal import make_job_dir
+from dlrover_hpc.jobdir import default_job_dir, make_job_dir
 from dlrover_hpc.master.server import MasterThread, resolve_token
 
 log = logging.getLogger(__name__)

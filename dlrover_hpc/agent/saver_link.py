@@ -10,7 +10,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from dlrover_hpc.checkpoint.saver import SaverHost
+from dlrover_hpc.checkpoint.saver.host import SaverHost
+from dlrover_hpc.events import EventName
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
 
@@ -40,7 +41,7 @@ class MasterEventSink:
     def __init__(self, client: MasterClient, loop: asyncio.AbstractEventLoop, node: str) -> None:
         self._client, self._loop, self._node = client, loop, node
 
-    def emit(self, event: str, **fields: Any) -> None:
+    def emit(self, event: EventName, **fields: Any) -> None:
         fields.setdefault("node", self._node)
         request = self._client.request(m.Event(event=event, fields=fields), m.Ack, timeout_s=30)
         try:

@@ -14,7 +14,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, sta
 from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResult
 
 from dlrover_hpc.agent.zygote import Zygote
-from dlrover_hpc.cli.run_args import RunConfig
+from dlrover_hpc.config import RunConfig
 from dlrover_hpc.protocol.messages import Assignment
 
 log = logging.getLogger(__name__)

@@ -56,7 +56,14 @@ def serve(socket_path: str, *, preload: tuple[str, ...] = ("torch", "torch.distr
         os.umask(old)
     listener.listen(256)
     children: dict[int, socket.socket] = {}  # child pid -> its client's connection
-    print("ready", flush=True)  # the agent waits for this line
+    try:
+        print("ready", flush=True)  # the agent waits for this line
+    except BrokenPipeError:  # the agent exited while this server started: nobody to serve
+        listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(socket_path)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # no second error when stdout is flushed
+        return
     stop = False
 
     def _stop(_sig: int, _frame: object) -> None:

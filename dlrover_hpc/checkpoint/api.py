@@ -9,6 +9,8 @@ import enum
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from dlrover_hpc.events import EventName
+
 #: DLRover's tracker file name, kept so tools that read it keep working.  It holds the newest
 #: committed step as decimal text and is always replaced atomically.
 TRACKER_FILE = "dlrover_latest.txt"
@@ -50,9 +52,9 @@ class CommitCoordinator(Protocol):
 
 
 class EventSink(Protocol):
-    """Receives the job events of DESIGN.md section 2b."""
+    """Receives the job events of docs/ARCHITECTURE.md (event log)."""
 
-    def emit(self, event: str, **fields: Any) -> None: ...
+    def emit(self, event: EventName, **fields: Any) -> None: ...
 
 
 class FaultHook(Protocol):

@@ -2,7 +2,6 @@
 
 - `filled_state(step)` / `check_filled(state, step)`: state dicts whose every value says which
   step wrote it, so a torn or mixed checkpoint cannot pass for a good one;
-- `KillAt`, `CountPoints`: fault hooks for crash injection (SIGKILL at the n-th point);
 - `NullLink`: a saver link that persists nothing (memory-only engines in tests);
 - `job_segments`, `remove_job_segments`: the /dev/shm entries of one job id.
 """
@@ -10,8 +9,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import threading
 from typing import Any
 
 import torch
@@ -55,34 +52,6 @@ def check_filled(state: Any, step: int) -> None:
         assert float(entry["step"]) == float(step)
         assert bool((entry["exp_avg"] == float(step)).all())
     assert state["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)
-
-
-class CountPoints:
-    """Counts fault points (a dry run tells a crash test how many there are)."""
-
-    def __init__(self) -> None:
-        self.points: list[str] = []
-        self._lock = threading.Lock()
-
-    def __call__(self, point: str) -> None:
-        with self._lock:
-            self.points.append(point)
-
-
-class KillAt:
-    """SIGKILLs this process at the `n`-th fault point (1-based)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self._seen = 0
-        self._lock = threading.Lock()
-
-    def __call__(self, point: str) -> None:
-        with self._lock:
-            self._seen += 1
-            hit = self._seen == self.n
-        if hit:
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class NullLink:

@@ -1,11 +1,17 @@
-"""Parsers of ``dlrover-hpc master``, ``drain``, ``launch`` and ``status``."""
+"""``dlrover-hpc master``, ``drain`` and ``status``: their flags, checks and calls."""
 
 from __future__ import annotations
 
 import argparse
+import errno
+import logging
+import os
+import socket
 
+from dlrover_hpc import topology
 from dlrover_hpc.config import DrainMode, MasterConfig, NodeRange, env_default
-from dlrover_hpc.errors import ConfigError
+from dlrover_hpc.errors import ConfigError, DlroverHpcError, UsageError
+from dlrover_hpc.jobdir import default_job_dir
 
 
 def register_master(sub: argparse._SubParsersAction) -> None:
@@ -24,7 +30,7 @@ def register_master(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--port",
         type=int,
-        default=int(env_default("port", "0") or 0),
+        default=env_default("port", "0") or "0",
         help="port to listen on; 0 picks a free one (default 0)",
     )
     p.add_argument(
@@ -35,7 +41,7 @@ def register_master(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--node-unit",
         type=int,
-        default=int(env_default("node_unit", "1") or 1),
+        default=env_default("node_unit", "1") or "1",
         help="admit nodes only in multiples of N",
     )
     p.add_argument(
@@ -58,25 +64,25 @@ def register_master(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-restarts",
         type=int,
-        default=int(env_default("max_restarts", "3") or 3),
+        default=env_default("max_restarts", "3") or "3",
         help="worker-group restarts allowed for the whole job (default 3)",
     )
     p.add_argument(
         "--heartbeat-timeout",
         type=float,
-        default=float(env_default("heartbeat_timeout", "15") or 15),
+        default=env_default("heartbeat_timeout", "15") or "15",
         help="seconds without a heartbeat before an agent counts as lost",
     )
     p.add_argument(
         "--last-call",
         type=float,
-        default=float(env_default("last_call", "3") or 3),
+        default=env_default("last_call", "3") or "3",
         help="seconds to wait for more nodes once MIN have joined (default 3)",
     )
     p.add_argument(
         "--netcheck-timeout",
         type=float,
-        default=float(env_default("netcheck_timeout", "30") or 30),
+        default=env_default("netcheck_timeout", "30") or "30",
         help="seconds a network-check probe may take before its group counts as failed",
     )
     p.add_argument(
@@ -88,7 +94,7 @@ def register_master(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--min-nodes-timeout",
         type=float,
-        default=float(env_default("min_nodes_timeout", "300") or 300),
+        default=env_default("min_nodes_timeout", "300") or "300",
         help="seconds below MIN nodes before the job is requeued (default 300)",
     )
     p.add_argument(
@@ -101,18 +107,18 @@ def register_master(sub: argparse._SubParsersAction) -> None:
 
 
 def master_config(args: argparse.Namespace) -> MasterConfig:
-    from dlrover_hpc.cli.run_args import default_job_dir
-
-    nnodes = NodeRange.parse(args.nnodes)
-    import os
-
+    try:
+        drain = DrainMode(args.drain)  # a default from DLROVER_HPC_DRAIN skips argparse's check
+    except ValueError:
+        choices = ", ".join(mode.value for mode in DrainMode)
+        raise ConfigError(f"--drain={args.drain}: expected one of {choices}") from None
     return MasterConfig(
         host=args.host,
         port=args.port,
-        nnodes=nnodes,
+        nnodes=NodeRange.parse(args.nnodes),
         node_unit=args.node_unit,
         topology=args.topology,
-        drain=DrainMode(args.drain),
+        drain=drain,
         job_dir=args.job_dir or default_job_dir(),
         job_id=os.environ.get("SLURM_JOB_ID", "standalone"),
         max_restarts=args.max_restarts,
@@ -127,8 +133,38 @@ def master_config(args: argparse.Namespace) -> MasterConfig:
     )
 
 
+def check_listen(host: str, port: int) -> None:
+    """Fail on a bad --host/--port now, with the flag's name, not later inside the server."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise ConfigError(
+            f"--host={host}: cannot resolve it ({exc.strerror}); give an address or host name "
+            "of this node, or 0.0.0.0 for all"
+        ) from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server does
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            fix = {
+                errno.EADDRINUSE: "pick another --port, or --port=0 for a free one",
+                errno.EACCES: "ports below 1024 need root: pick another --port, or --port=0",
+                errno.EADDRNOTAVAIL: f"{host} is not an address of this node: use one of its "
+                "addresses or 0.0.0.0",
+            }.get(exc.errno or 0, "check --host and --port")
+            raise ConfigError(
+                f"--host={host} --port={port}: cannot listen there ({exc.strerror}); {fix}"
+            ) from None
+
+
 def _master(args: argparse.Namespace) -> int:
     config = master_config(args)
+    if config.topology:  # a bad file fails here (exit 2, FILE:LINE), before the job dir is made
+        topology.load(config.topology)
+    check_listen(config.host, config.port)
     from dlrover_hpc.master.server import run_master
 
     return run_master(config)
@@ -146,42 +182,36 @@ def register_drain(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_drain)
 
 
+# scontrol's words when it never reached the controller, and for a node Slurm does not know.
+_NO_CONTROLLER = ("Unable to contact slurm controller", "configuration source", "fatal:")
+_NO_SUCH_NODE = "Invalid node name"
+
+
 def _drain(args: argparse.Namespace) -> int:
     from dlrover_hpc.slurm import commands as slurm
 
     if not args.reason.strip():
         raise ConfigError("--reason must not be empty; say why the node is drained")
+    if logging.getLogger().level > logging.DEBUG:  # the outcome is printed below, once
+        logging.getLogger(slurm.__name__).setLevel(logging.ERROR)
     result = slurm.drain_node(args.node, reason=f"dlrover-hpc: {args.reason}")
     if result.ok:
         print(f"drained {args.node}: {args.reason}")
         return 0
-    print(f"Slurm refused to drain {args.node}: {result.error}")
+    lines = [line.strip() for line in result.error.splitlines() if line.strip()]
+    error = lines[-1] if lines else result.error
+    if any(word in result.error for word in _NO_CONTROLLER):
+        raise DlroverHpcError(
+            f"cannot reach Slurm to drain {args.node} ({error}); run this on a node of the "
+            "cluster, where 'scontrol ping' answers"
+        )
+    if _NO_SUCH_NODE in result.error:
+        raise UsageError(
+            f"Slurm has no node {args.node!r} ({error}); check the name with 'sinfo -N'"
+        )
+    print(f"Slurm refused to drain {args.node}: {error}")
     print(f"ask an admin to run: {result.admin_command}")
     return 1
-
-
-def register_launch(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "launch",
-        help="bare metal: start the master here and one agent per host over SSH",
-        description="Start the job master locally and dlrover-run on every host of the "
-        "hostfile over SSH; hosts beyond the active count are hot spares.",
-    )
-    p.add_argument("--hostfile", required=True, help="one host per line, optional slots=N")
-    p.add_argument("--spares", type=int, default=0, help="hosts kept as hot spares")
-    p.add_argument("--ssh-user", default=None, help="SSH user (default: yours)")
-    p.add_argument("--ssh-key", default=None, help="SSH private key file")
-    p.add_argument("run_args", nargs=argparse.REMAINDER, help="-- then dlrover-run's arguments")
-    from dlrover_hpc.ssh.cli import add_launch_options
-
-    add_launch_options(p)
-    p.set_defaults(func=_launch)
-
-
-def _launch(args: argparse.Namespace) -> int:
-    from dlrover_hpc.ssh.cli import run_launch  # asyncssh and torch: only when used
-
-    return run_launch(args)
 
 
 def register_status(sub: argparse._SubParsersAction) -> None:

@@ -10,6 +10,9 @@ from collections.abc import Callable
 
 from dlrover_hpc.errors import DlroverHpcError, UsageError
 
+log = logging.getLogger(__name__)
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 
 class _ContextFilter(logging.Filter):
     def __init__(self, context: str) -> None:
@@ -22,7 +25,12 @@ class _ContextFilter(logging.Filter):
 
 
 def exit_code_of(prog: str, command: Callable[[], int]) -> int:
-    """Run ``command``; bad usage or input exits 2, our other errors 1, Ctrl-C 130."""
+    """Run ``command``; bad usage or input exits 2, our other errors 1, Ctrl-C 130.
+
+    Our errors are one line on stderr.  So is an OSError about a named file (missing, not
+    permitted, a directory): a path of the user's or the system's, not a bug; its traceback is
+    logged at DEBUG.  Anything else is a bug and keeps its traceback.
+    """
     try:
         return int(command())
     except UsageError as exc:
@@ -33,6 +41,17 @@ def exit_code_of(prog: str, command: Callable[[], int]) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except OSError as exc:
+        if exc.filename is None or not exc.strerror:
+            raise
+        log.debug("command failed on a file", exc_info=True)
+        name = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+        print(
+            f"{prog}: error: {name}: {exc.strerror.lower()}; check the path and its "
+            "permissions (DLROVER_HPC_LOG_LEVEL=DEBUG shows where it failed)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 def setup_logging(role: str, *, level: str | None = None) -> None:
@@ -46,4 +65,10 @@ def setup_logging(role: str, *, level: str | None = None) -> None:
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level or os.environ.get("DLROVER_HPC_LOG_LEVEL", "INFO"))
+    name = (level or os.environ.get("DLROVER_HPC_LOG_LEVEL") or "INFO").upper()
+    if name not in _LEVELS:
+        raise UsageError(
+            f"log level {name!r} (--log-level or DLROVER_HPC_LOG_LEVEL): expected one of "
+            + ", ".join(_LEVELS)
+        )
+    root.setLevel(name)

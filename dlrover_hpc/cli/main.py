@@ -7,15 +7,15 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from dlrover_hpc.cli import commands, local_slurm
+from dlrover_hpc.cli import commands, launch, local_slurm, topology
 from dlrover_hpc.cli.logsetup import exit_code_of, setup_logging
-from dlrover_hpc.topology import cli as topology_cli
+from dlrover_hpc.cli.parser import Parser
 
 log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="dlrover-hpc",
         description="Fault-tolerant, elastic PyTorch training on Slurm and bare metal. "
         "Agents are started with dlrover-run; this command runs the job master and the tools.",
@@ -24,9 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.register_master(sub)
-    topology_cli.register(sub)
+    topology.register(sub)
     commands.register_drain(sub)
-    commands.register_launch(sub)
+    launch.register_launch(sub)
     commands.register_status(sub)
     local_slurm.register(sub)
     return parser
@@ -35,8 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    setup_logging(args.command, level=args.log_level)
-    return exit_code_of("dlrover-hpc", lambda: args.func(args))
+
+    def command() -> int:
+        setup_logging(args.command, level=args.log_level)
+        return int(args.func(args))
+
+    return exit_code_of("dlrover-hpc", command)
 
 
 if __name__ == "__main__":

@@ -2,19 +2,44 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 from collections.abc import Sequence
 
 from dlrover_hpc.cli.logsetup import exit_code_of, setup_logging
 from dlrover_hpc.cli.run_args import parse
+from dlrover_hpc.config import RunConfig
+from dlrover_hpc.errors import DlroverHpcError
+
+_START_MASTER = (
+    "start the job master first ('dlrover-hpc master'; the sbatch templates do), or fix "
+    "--master / DLROVER_HPC_MASTER"
+)
+
+
+def _run_agent(config: RunConfig) -> int:
+    from dlrover_hpc.agent.launch import run_agent  # imports torch: only after parsing
+
+    try:
+        return run_agent(config)
+    except ConnectionRefusedError as exc:
+        raise DlroverHpcError(
+            f"cannot reach the job master: {exc.strerror} (connection refused); {_START_MASTER}"
+        ) from None
+    except socket.gaierror as exc:
+        raise DlroverHpcError(
+            f"cannot resolve the job master's host ({exc.strerror}); {_START_MASTER}"
+        ) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse(argv)
-    setup_logging("agent")
-    from dlrover_hpc.agent.launch import run_agent  # imports torch: only after parsing
 
-    return exit_code_of("dlrover-run", lambda: run_agent(config))
+    def command() -> int:
+        setup_logging("agent")
+        return _run_agent(config)
+
+    return exit_code_of("dlrover-run", command)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
+import shutil
 from collections.abc import Sequence
 
-from dlrover_hpc.config import NodeRange, env_default, parse_host_port, parse_nproc
+from dlrover_hpc.cli.parser import Parser
+from dlrover_hpc.config import (
+    NodeRange,
+    RunConfig,
+    env_default,
+    parse_host_port,
+    parse_nproc,
+    parse_rdzv_conf,
+)
 from dlrover_hpc.errors import ConfigError
 
 DESCRIPTION = """\
@@ -29,7 +37,7 @@ def _both(name: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="dlrover-run",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -80,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         *_both("max-restarts"),
         dest="max_restarts",
         type=int,
-        default=int(env_default("max_restarts", "3") or 3),
+        default=env_default("max_restarts", "3") or "3",
         help="worker-group restarts allowed for the whole job (counted per job, "
         "not per agent as torchrun does; default 3)",
     )
@@ -212,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--node-unit",
         type=int,
-        default=int(env_default("node_unit", "1") or 1),
+        default=env_default("node_unit", "1") or "1",
         help="admit nodes only in multiples of N (default 1)",
     )
     d.add_argument(
@@ -227,91 +235,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class RunConfig:
-    nnodes: NodeRange
-    nproc_per_node: int
-    standalone: bool
-    master: tuple[str, int] | None
-    max_restarts: int
-    monitor_interval_s: float
-    start_method: str
-    role: str
-    module: bool
-    no_python: bool
-    log_dir: str | None
-    redirects: str
-    tee: str
-    local_ranks_filter: str
-    local_addr: str | None
-    shutdown_timeout_s: float
-    network_check: bool
-    exclude_straggler: bool
-    node_unit: int
-    job_dir: str | None
-    run_id: str | None
-    rdzv_conf: dict[str, str]
-    training_script: str
-    training_script_args: tuple[str, ...]
-
-
-def _parse_rdzv_conf(text: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--rdzv-conf={text}: expected KEY=VALUE,..., got {item!r}")
-        out[key.strip()] = value.strip()
-    return out
-
-
-def _check_std_streams(flag: str, value: str) -> None:
-    ok = value in ("0", "1", "2", "3") or all(
-        part.count(":") == 1 and all(x.isdigit() for x in part.split(":"))
-        for part in value.split(",")
-    )
-    if not ok:
-        raise ConfigError(f"{flag}={value}: expected 0, 1, 2, 3 or LOCAL_RANK:VALUE,...")
-
-
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """Validate parsed flags; raises ConfigError (exit 2) naming the flag and the fix."""
-    nnodes = NodeRange.parse(args.nnodes)
-    if args.standalone and args.master:
+    """Parsed flags as a :class:`RunConfig`; raises ConfigError (exit 2) naming the flag and fix."""
+    if args.standalone and args.rdzv_endpoint:
         raise ConfigError(
-            "--standalone runs its own in-process master; drop --master "
-            "(or unset DLROVER_HPC_MASTER) or drop --standalone"
+            f"--standalone runs its own in-process master on this node; drop "
+            f"--rdzv-endpoint={args.rdzv_endpoint}, or drop --standalone for a multi-node job"
         )
-    if args.standalone and nnodes.max != 1:
-        raise ConfigError(f"--standalone is for one node; got --nnodes={args.nnodes}")
-    if args.exclude_straggler and not args.network_check:
-        raise ConfigError("--exclude-straggler needs --network-check (stragglers are found by it)")
-    if args.node_unit < 1:
-        raise ConfigError(f"--node-unit={args.node_unit}: must be at least 1")
-    if args.node_unit > nnodes.max:
-        raise ConfigError(
-            f"--node-unit={args.node_unit} is larger than --nnodes maximum {nnodes.max}; "
-            "lower --node-unit or raise the maximum"
-        )
-    if nnodes.max // args.node_unit * args.node_unit < nnodes.min:
-        raise ConfigError(
-            f"--nnodes={args.nnodes} with --node-unit={args.node_unit}: no multiple of "
-            f"{args.node_unit} lies between {nnodes.min} and {nnodes.max}"
-        )
-    if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts={args.max_restarts}: must be 0 or more")
-    if args.monitor_interval <= 0:
-        raise ConfigError(f"--monitor-interval={args.monitor_interval}: must be > 0")
-    if args.module and args.no_python:
-        raise ConfigError("--module and --no-python exclude each other; pick one")
-    _check_std_streams("--redirects", args.redirects)
-    _check_std_streams("--tee", args.tee)
-    master = parse_host_port(args.master, flag="--master") if args.master else None
     return RunConfig(
-        nnodes=nnodes,
+        nnodes=NodeRange.parse(args.nnodes),
         nproc_per_node=parse_nproc(str(args.nproc_per_node)),
         standalone=args.standalone,
-        master=master,
+        master=parse_host_port(args.master, flag="--master") if args.master else None,
         max_restarts=args.max_restarts,
         monitor_interval_s=args.monitor_interval,
         start_method=args.start_method,
@@ -329,24 +264,39 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         node_unit=args.node_unit,
         job_dir=args.job_dir,
         run_id=args.rdzv_id,
-        rdzv_conf=_parse_rdzv_conf(args.rdzv_conf),
+        rdzv_conf=parse_rdzv_conf(args.rdzv_conf),
         training_script=args.training_script,
         training_script_args=tuple(args.training_script_args),
     )
+
+
+def check_script(config: RunConfig) -> None:
+    """A missing script would fail every worker and spend the restarts: say so before starting."""
+    script = config.training_script
+    if config.module:
+        return  # a module is found by the worker's Python (its sys.path), not here
+    if config.no_python:
+        found = os.path.isfile(script) if os.sep in script else shutil.which(script) is not None
+        if not found:
+            raise ConfigError(
+                f"{script}: no such program (--no-python runs the script as an executable); "
+                "check the name, or drop --no-python to run a Python script"
+            )
+        return
+    if not os.path.isfile(script):
+        where = "" if os.path.isabs(script) else f" in {os.getcwd()}"
+        raise ConfigError(
+            f"training script {script}: no such file{where}; check the path, or run a module "
+            "with -m (e.g. dlrover-run -m pkg.train)"
+        )
 
 
 def parse(argv: Sequence[str] | None = None) -> RunConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return config_from_args(args)
+        config = config_from_args(args)
+        check_script(config)
     except ConfigError as exc:
         parser.exit(2, f"dlrover-run: error: {exc}\n")
-
-
-def default_job_dir(env: dict[str, str] | None = None) -> str:
-    env = dict(os.environ) if env is None else env
-    if env.get("SLURM_JOB_ID"):
-        base = env.get("SLURM_SUBMIT_DIR") or os.getcwd()
-        return os.path.join(base, ".dlrover-hpc", env["SLURM_JOB_ID"])
-    return os.path.join(os.getcwd(), ".dlrover-hpc", "standalone")
+    return config

@@ -23,7 +23,7 @@ from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from dlrover_hpc.diagnosis.classify import FailureEvidence
+from dlrover_hpc.diagnosis.evidence import FailureEvidence
 
 logger = logging.getLogger(__name__)
 

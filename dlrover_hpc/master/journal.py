@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dlrover_hpc.events import EventName
+
 log = logging.getLogger(__name__)
 
 
@@ -30,7 +32,7 @@ class EventLog:
         self.path = Path(path)
         self._lock = threading.Lock()
 
-    def emit(self, event: str, **fields: Any) -> None:
+    def emit(self, event: EventName, **fields: Any) -> None:
         with self._lock:
             _append_line(self.path, {"time": time.time(), "event": event, **fields})
 
@@ -66,10 +68,3 @@ class Journal:
             record.pop("time", None)
             state.update(record)
         return state
-
-
-def make_job_dir(path: str | os.PathLike[str]) -> Path:
-    job_dir = Path(path)
-    job_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(job_dir, 0o700)
-    return job_dir

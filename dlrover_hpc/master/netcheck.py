@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from dlrover_hpc.events import EventName
 from dlrover_hpc.netcheck.analysis import (
     CheckVerdict,
     GroupResult,
@@ -76,7 +77,7 @@ class NetcheckRun:
                 self._deliver(
                     agent,
                     m.Assignment(
-                        status=m.NodeStatus.NETCHECK.value,
+                        status=m.NodeStatus.NETCHECK,
                         round=self.generation,
                         store_host=self._store_host,
                         store_port=port,
@@ -206,7 +207,7 @@ class NetcheckGate:
         run = self.run
         name = self._name
         self._emit(
-            "netcheck_result",
+            EventName.NETCHECK_RESULT,
             round=index,
             generation=run.generation if run else None,
             final=final,

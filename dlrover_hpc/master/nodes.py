@@ -4,25 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from enum import Enum
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from dlrover_hpc.protocol import messages as m
+from dlrover_hpc.protocol.messages import NodeState
 from dlrover_hpc.rendezvous.ranking import RankInput
 
-
-class NodeState(Enum):
-    WAITING = "waiting"  # in rendezvous (a hot spare waits here too)
-    ACTIVE = "active"  # in the current round, workers running
-    DONE = "done"  # workers finished successfully
-    LOST = "lost"  # stopped heart-beating or disconnected
-    EXCLUDED = "excluded"  # quarantined / drained: never admitted again in this job
-
-
-class JobState(Enum):
-    RENDEZVOUS = "rendezvous"
-    RUNNING = "running"
-    FINISHED = "finished"
+__all__ = ["Clock", "NodeRecord", "NodeState", "StoreFactory", "node_rows", "round_assignments"]
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -61,3 +50,53 @@ def rank_input(n: NodeRecord) -> RankInput:
         slurm_node_id=n.slurm_node_id,
         topology_addr=n.topology_addr,
     )
+
+
+def round_assignments(
+    ranked: Sequence[NodeRecord],
+    *,
+    round: int,
+    store_host: str,
+    store_port: int,
+    restart_count: int,
+    max_restarts: int,
+    run_id: str,
+) -> list[m.Assignment]:
+    """Each ranked node's part of a new round: node rank, world size, its first global rank."""
+    world = sum(n.nproc for n in ranked)
+    out: list[m.Assignment] = []
+    offset = 0
+    for rank, rec in enumerate(ranked):
+        out.append(
+            m.Assignment(
+                status=m.NodeStatus.ACTIVE,
+                round=round,
+                node_rank=rank,
+                nnodes=len(ranked),
+                world_size=world,
+                rank_offset=offset,
+                store_host=store_host,
+                store_port=store_port,
+                restart_count=restart_count,
+                max_restarts=max_restarts,
+                run_id=run_id,
+            )
+        )
+        offset += rec.nproc
+    return out
+
+
+def node_rows(records: Iterable[NodeRecord]) -> list[m.NodeRow]:
+    """The status table: ranked nodes in rank order, then the others by name."""
+    ordered = sorted(records, key=lambda n: (n.rank < 0, n.rank, n.node))
+    return [
+        m.NodeRow(
+            agent_id=n.agent_id,
+            node=n.node,
+            rank=n.rank,
+            state=n.state,
+            round=n.round,
+            nproc=n.nproc,
+        )
+        for n in ordered
+    ]

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from dlrover_hpc.config import DrainMode
+from dlrover_hpc.events import EventName
 from dlrover_hpc.master.journal import EventLog
 from dlrover_hpc.slurm import commands as slurm
 
@@ -49,7 +50,7 @@ class NodeRemover:
                 node, reason=f"dlrover-hpc: {reason[:150]} job {self.job_id}", run=self._run
             )
             if result.ok:
-                self.events.emit("node_drained", node=node, reason=reason)
+                self.events.emit(EventName.NODE_DRAINED, node=node, reason=reason)
                 return
             admin_command = result.admin_command
             log.warning(
@@ -64,4 +65,6 @@ class NodeRemover:
             os.write(fd, (line + "\n").encode())
         finally:
             os.close(fd)
-        self.events.emit("node_quarantined", node=node, reason=reason, admin_command=admin_command)
+        self.events.emit(
+            EventName.NODE_QUARANTINED, node=node, reason=reason, admin_command=admin_command
+        )

@@ -10,12 +10,12 @@ worker thread.
 from __future__ import annotations
 
 import logging
-import os
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
 from dlrover_hpc.errors import SlurmError
+from dlrover_hpc.events import EventName
 from dlrover_hpc.master.journal import EventLog
 from dlrover_hpc.slurm import commands as slurm
 from dlrover_hpc.slurm.hostnames import collect
@@ -67,11 +67,13 @@ class Replacer:
         job = done.stdout.strip().split(";")[0]
         self.submitted.append(job)
         log.info("replacement job submitted job=%s nodes=%d exclude=%s", job, count, exclude)
-        self.events.emit("replacement_requested", job=job, count=count, exclude=sorted(exclude))
+        self.events.emit(
+            EventName.REPLACEMENT_REQUESTED, job=job, count=count, exclude=sorted(exclude)
+        )
 
     def requeue(self, reason: str) -> None:
         try:
-            self.events.emit("job_requeued", job=self.job_id, reason=reason)
+            self.events.emit(EventName.JOB_REQUEUED, job=self.job_id, reason=reason)
             slurm.requeue_job(self.job_id, run=self._run)
             log.warning("job requeued job=%s reason=%s", self.job_id, reason)
         except Exception:  # thread boundary
@@ -81,8 +83,3 @@ class Replacer:
         """The job is over: replacement jobs still pending or running are not needed."""
         if self.submitted:
             self._run(["scancel", *self.submitted], timeout_s=30)
-
-
-def default_template() -> str | None:
-    value = os.environ.get("DLROVER_HPC_REPLACEMENT_SBATCH", "")
-    return value or None

@@ -17,8 +17,10 @@ from typing import Any
 
 from dlrover_hpc.config import MasterConfig
 from dlrover_hpc.errors import ConfigError, ProtocolError
+from dlrover_hpc.jobdir import make_job_dir
+from dlrover_hpc.master.handlers import AgentHandlers
 from dlrover_hpc.master.job import Job
-from dlrover_hpc.master.journal import EventLog, Journal, make_job_dir
+from dlrover_hpc.master.journal import EventLog, Journal
 from dlrover_hpc.master.policy import NodeRemover
 from dlrover_hpc.master.replace import Replacer
 from dlrover_hpc.protocol import messages as m
@@ -113,17 +115,18 @@ class MasterServer:
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.port = 0
+        self.agents = AgentHandlers(self.job)
         self._handlers: dict[type[m.Message], Callable[[Any], Any]] = {
-            m.Join: self.job.join,
-            m.WaitRound: self.job.wait_round,
-            m.Heartbeat: self.job.heartbeat,
-            m.WorkersStarted: self.job.workers_started,
-            m.WorkerFailed: self.job.worker_failed,
-            m.WorkersSucceeded: self.job.workers_succeeded,
-            m.CheckpointPart: self.job.checkpoint_part,
+            m.Join: self.agents.join,
+            m.WaitRound: self.agents.wait_round,
+            m.Heartbeat: self.agents.heartbeat,
+            m.WorkersStarted: self.agents.workers_started,
+            m.WorkerFailed: self.agents.worker_failed,
+            m.WorkersSucceeded: self.agents.workers_succeeded,
+            m.CheckpointPart: self.agents.checkpoint_part,
             m.StatusRequest: lambda _msg: self.job.status(),
             m.Event: self._event,
-            m.NetcheckReport: self.job.netcheck_report,
+            m.NetcheckReport: self.agents.netcheck_report,
         }
 
     def _in_thread(self, fn: Callable[..., None]) -> Callable[..., None]:
@@ -205,7 +208,7 @@ class MasterServer:
             for agent_id in agent_ids:
                 if self._writers.get(agent_id) is writer:
                     del self._writers[agent_id]
-                    self.job.disconnected(agent_id)
+                    self.agents.disconnected(agent_id)
             writer.close()
 
     async def _authenticate(
@@ -266,7 +269,7 @@ class MasterServer:
     async def _liveness(self) -> None:
         while True:
             await asyncio.sleep(0.5)
-            self.job.check_liveness()  # O(nodes): on this timer only, not on every change
+            self.agents.check_liveness()  # O(nodes): on this timer only, not on every change
             self.job.check_capacity()
             self.job.poke()
 

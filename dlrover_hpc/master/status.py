@@ -1,4 +1,9 @@
-"""``dlrover-hpc status``: the master's node table."""
+"""``dlrover-hpc status``: find the job master (``--master`` or ``master.json``), show its table.
+
+Every way of not finding it is an error that says what is wrong and what to run instead:
+bad input (a job directory that does not exist, no job at all) is a UsageError (exit 2); a job
+without a live master (no ``master.json``, a stale or unreadable one) is a DlroverHpcError (exit 1).
+"""
 
 from __future__ import annotations
 
@@ -6,20 +11,158 @@ import asyncio
 import dataclasses
 import json
 import os
+import socket
+from collections.abc import Mapping
 from pathlib import Path
 
-from dlrover_hpc.cli.run_args import default_job_dir
 from dlrover_hpc.config import parse_host_port
-from dlrover_hpc.errors import DlroverHpcError
+from dlrover_hpc.errors import DlroverHpcError, UsageError
+from dlrover_hpc.jobdir import MASTER_INFO, default_job_dir
 from dlrover_hpc.master.server import resolve_token
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
 
+STATUS_TIMEOUT_S = 10.0
+IN_JOB = "srun --jobid=JOB --overlap -N1 -n1 dlrover-hpc status"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class MasterInfo:
+    """Where the master listens: from ``--master``, or its ``master.json`` (``path`` set)."""
+
+    host: str
+    port: int
+    pid: int | None = None
+    path: Path | None = None
+
+
+def find_job_dir(job_dir: str | None, env: Mapping[str, str] | None = None) -> Path:
+    """``--job-dir`` (or ``$DLROVER_HPC_JOB_DIR``), else the Slurm job's default directory."""
+    env = os.environ if env is None else env
+    if job_dir:
+        path = Path(job_dir)
+        if not path.is_dir():
+            raise UsageError(
+                f"job directory {path} does not exist; pass --job-dir with the directory of a "
+                "running job (SUBMIT_DIR/.dlrover-hpc/JOB_ID) or --master HOST:PORT"
+            )
+        return path
+    path = Path(default_job_dir(env))
+    if env.get("SLURM_JOB_ID"):
+        if not path.is_dir():
+            raise DlroverHpcError(
+                f"Slurm job {env['SLURM_JOB_ID']} has no job directory {path}: no dlrover-hpc "
+                "master has run in it; start one with 'dlrover-hpc master' (the sbatch templates "
+                "do), or pass --job-dir DIR of the job you mean"
+            )
+        return path
+    if (path / MASTER_INFO).is_file():  # `dlrover-hpc master` started here without Slurm
+        return path
+    raise UsageError(
+        "not inside a job: SLURM_JOB_ID is not set and no --job-dir was given; run "
+        f"'dlrover-hpc status --job-dir DIR'{_example_dirs(path.parent)}, or inside the job: "
+        f"'{IN_JOB}'"
+    )
+
+
+def _example_dirs(root: Path) -> str:
+    """`` (e.g. .dlrover-hpc/123)``: the newest job directories under the current directory."""
+    try:
+        found = [p for p in root.iterdir() if (p / MASTER_INFO).is_file()]
+    except OSError:
+        return ""
+    if not found:
+        return ""
+    newest = max(found, key=lambda p: (p / MASTER_INFO).stat().st_mtime)
+    return f" (e.g. --job-dir {os.path.relpath(newest)})"
+
+
+def read_master_info(job_dir: Path) -> MasterInfo:
+    path = job_dir / MASTER_INFO
+    try:
+        info = json.loads(path.read_text())
+        return MasterInfo(
+            host=str(info["host"]),
+            port=int(info["port"]),
+            pid=int(info["pid"]) if info.get("pid") is not None else None,
+            path=path,
+        )
+    except FileNotFoundError:
+        raise DlroverHpcError(
+            f"no job master: {path} does not exist, so no master has started in this job "
+            f"directory; start one with 'dlrover-hpc master --job-dir {job_dir}' (the sbatch "
+            "templates do), or pass --master HOST:PORT"
+        ) from None
+    except PermissionError:
+        raise DlroverHpcError(
+            f"cannot read {path}: permission denied (job directories are private to the user "
+            "who runs the job); run 'dlrover-hpc status' as that user"
+        ) from None
+    except OSError as exc:
+        raise DlroverHpcError(f"cannot read {path} ({exc.strerror or exc})") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON, fields, types
+        raise DlroverHpcError(
+            f"{path} is not a master address file ({type(exc).__name__}: {exc}); remove it and "
+            f"restart the master with 'dlrover-hpc master --job-dir {job_dir}'"
+        ) from None
+
+
+def _is_local(host: str) -> bool:
+    return host in ("localhost", "127.0.0.1", "::1", socket.gethostname().split(".")[0])
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def _stale(info: MasterInfo, why: str) -> DlroverHpcError:
+    job_dir = info.path.parent if info.path is not None else "DIR"
+    return DlroverHpcError(
+        f"stale {info.path}: {why}, so the job master has stopped; see the job's output and "
+        f"events.jsonl, or start a new master with 'dlrover-hpc master --job-dir {job_dir}'"
+    )
+
+
+def _unreachable(info: MasterInfo, exc: BaseException) -> DlroverHpcError:
+    """An error from connecting to (or asking) the master, in words."""
+    where = f"{info.host}:{info.port}"
+    if isinstance(exc, ConnectionRefusedError):
+        if info.path is None:
+            return DlroverHpcError(
+                f"nothing listens on {where} (connection refused); check --master (or "
+                "DLROVER_HPC_MASTER), or drop it to use the job directory's master.json"
+            )
+        alive = ""
+        if info.pid is not None and _is_local(info.host) and _pid_alive(info.pid):
+            alive = f" although its pid {info.pid} is still running"
+        return _stale(info, f"nothing listens on {where} (connection refused){alive}")
+    if isinstance(exc, socket.gaierror):
+        return DlroverHpcError(
+            f"cannot resolve the master's host {info.host!r} ({exc.strerror}); run this where "
+            f"the job's nodes resolve, e.g. '{IN_JOB}'"
+        )
+    if isinstance(exc, TimeoutError):
+        return DlroverHpcError(
+            f"the job master at {where} did not answer within {STATUS_TIMEOUT_S:.0f} s; it may "
+            f"be overloaded or on a dead node: try again, or run this inside the job: '{IN_JOB}'"
+        )
+    reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    return DlroverHpcError(
+        f"cannot reach the job master at {where} ({reason}); run this where the job's nodes "
+        f"resolve, e.g. '{IN_JOB}'"
+    )
+
 
 async def fetch_status(host: str, port: int, token: str) -> m.StatusReply:
-    client = await MasterClient.connect(host, port, token=token)
+    client = await MasterClient.connect(host, port, token=token, timeout_s=STATUS_TIMEOUT_S)
     try:
-        return await client.request(m.StatusRequest(), m.StatusReply, timeout_s=10)
+        return await client.request(m.StatusRequest(), m.StatusReply, timeout_s=STATUS_TIMEOUT_S)
     finally:
         await client.close()
 
@@ -31,28 +174,34 @@ def format_status(status: m.StatusReply) -> str:
         f"{'NODE':<16}{'RANK':>5}  {'STATE':<10}{'ROUND':>6}{'NPROC':>6}  AGENT",
     ]
     for n in status.nodes:
-        rank = str(n["rank"]) if n["rank"] >= 0 else "-"
+        rank = str(n.rank) if n.rank >= 0 else "-"
         lines.append(
-            f"{n['node']:<16}{rank:>5}  {n['state']:<10}{n['round']:>6}"
-            f"{n['nproc']:>6}  {n['agent_id']}"
+            f"{n.node:<16}{rank:>5}  {n.state!s:<10}{n.round:>6}{n.nproc:>6}  {n.agent_id}"
         )
     return "\n".join(lines)
 
 
 def print_status(*, master: str | None, job_dir: str | None, as_json: bool) -> int:
-    directory = Path(job_dir or os.environ.get("DLROVER_HPC_JOB_DIR") or default_job_dir())
     if master:
         host, port = parse_host_port(master, flag="--master")
+        info = MasterInfo(host=host, port=port)
+        directory = Path(job_dir) if job_dir else Path(default_job_dir())
     else:
-        info = json.loads((directory / "master.json").read_text())
-        host, port = info["host"], int(info["port"])
+        directory = find_job_dir(job_dir)
+        info = read_master_info(directory)
+        if info.pid is not None and _is_local(info.host) and not _pid_alive(info.pid):
+            raise _stale(info, f"its master (pid {info.pid} on {info.host}) is no longer running")
     try:
-        status = asyncio.run(fetch_status(host, port, resolve_token(directory, create=False)))
-    except (OSError, TimeoutError) as exc:
+        token = resolve_token(directory, create=False)
+    except PermissionError:
         raise DlroverHpcError(
-            f"cannot reach the job master at {host}:{port} ({exc}); run this where the job's "
-            f"nodes resolve, e.g. srun --jobid=JOB --overlap -N1 -n1 dlrover-hpc status"
+            f"cannot read {directory / 'token'}: permission denied; run 'dlrover-hpc status' as "
+            "the user who runs the job, or set DLROVER_HPC_TOKEN"
         ) from None
+    try:
+        status = asyncio.run(fetch_status(info.host, info.port, token))
+    except (OSError, TimeoutError) as exc:
+        raise _unreachable(info, exc) from None
     if as_json:
         print(json.dumps(dataclasses.asdict(status), indent=1))
     else:

@@ -7,8 +7,9 @@ proves reachability, not the GPU fabric.
 
 Every wait has a deadline, but torch's own timeouts overshoot (a TCPStore client retries once
 more after its timeout) and an NCCL collective can block for good. So the supported entry point is
-`run_probe_subprocess`, which runs `python -m dlrover_hpc.netcheck.probe --json ...` in a child
-process and kills it at the hard deadline: it always returns a `ProbeResult` in time.
+`netcheck.launch.run_probe_subprocess`, which runs `python -m dlrover_hpc.netcheck.probe --json
+...` (this module's `main`) in a child process and kills it at the hard deadline: it always
+returns a `ProbeResult` in time.
 
 `run_probe` initialises torch's default process group, so it must run in a process that has none
 (the child process does).
@@ -17,21 +18,14 @@ process and kills it at the hard deadline: it always returns a `ProbeResult` in 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
-import json
 import logging
-import os
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
-from dlrover_hpc.netcheck.analysis import NetcheckError
+from dlrover_hpc.netcheck.model import NetcheckError
+from dlrover_hpc.netcheck.result import ProbeResult
 
 logger = logging.getLogger(__name__)
 
@@ -44,49 +38,11 @@ COLLECTIVE_ITERS = 3
 # Share of the remaining time given to the store connection: a TCPStore client may take about
 # twice its timeout (one retry after the timeout), and the collectives still need time after it.
 CONNECT_SHARE = 0.4
-_STDERR_TAIL_CHARS = 600
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ProbeResult:
-    """Outcome of one probe on one node. Times are seconds; None where the step did not run."""
+class Deadline:
+    """A point in time that the remaining budget is measured against."""
 
-    ok: bool
-    matmul_s: float | None = None
-    collective_s: float | None = None
-    nccl_s: float | None = None
-    device: str = "cpu"
-    error: str = ""
-    elapsed_s: float = 0.0
-
-    @property
-    def check_s(self) -> float | None:
-        """The node's check time for the analysis: matmul plus collectives; None if it failed."""
-        if not self.ok or self.matmul_s is None or self.collective_s is None:
-            return None
-        return self.matmul_s + self.collective_s + (self.nccl_s or 0.0)
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> ProbeResult:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise NetcheckError(f"probe output is not JSON ({e}): {text[:200]!r}") from e
-        if not isinstance(data, dict):
-            raise NetcheckError(f"probe output is not a JSON object: {text[:200]!r}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        if unknown or "ok" not in data:
-            raise NetcheckError(
-                f"probe output has unknown keys {sorted(unknown)!r} or lacks 'ok': {text[:200]!r}"
-            )
-        return cls(**data)
-
-
-class _Deadline:
     def __init__(self, timeout_s: float) -> None:
         self._end = time.monotonic() + timeout_s
 
@@ -111,7 +67,7 @@ def run_probe(
 
     Raises `NetcheckError` only for invalid arguments.
     """
-    _validate(
+    validate_args(
         group_rank=group_rank,
         group_size=group_size,
         store_port=store_port,
@@ -119,7 +75,7 @@ def run_probe(
         payload_bytes=payload_bytes,
     )
     started = time.monotonic()
-    deadline = _Deadline(timeout_s)
+    deadline = Deadline(timeout_s)
     import torch  # deferred: importing torch costs about a second
     import torch.distributed as dist
 
@@ -165,7 +121,7 @@ def run_probe(
         finally:
             dist.destroy_process_group()
     except Exception as e:  # the probe's boundary: every failure becomes a result
-        reason = f"{step}: {type(e).__name__}: {_first_line(str(e))}"
+        reason = f"{step}: {type(e).__name__}: {first_line(str(e))}"
         logger.warning(
             "netcheck_probe_failed rank=%d store=%s:%d reason=%s",
             group_rank,
@@ -190,81 +146,6 @@ def run_probe(
         collective_s=timings["collective_s"],
         nccl_s=timings.get("nccl_s"),
     )
-
-
-def run_probe_subprocess(
-    *,
-    group_rank: int,
-    group_size: int,
-    store_host: str,
-    store_port: int,
-    timeout_s: float,
-    is_store_host: bool,
-    prefix: str = DEFAULT_PREFIX,
-    payload_bytes: int = DEFAULT_PAYLOAD_BYTES,
-    matmul_size: int | None = None,
-    use_cuda: bool | None = None,
-    python: str = sys.executable,
-    env: Mapping[str, str] | None = None,
-) -> ProbeResult:
-    """Run the probe in a child process killed at `timeout_s`; always returns a result in time.
-
-    The child gets a slightly shorter budget so that it normally reports its own reason (for
-    example the partner that never joined) before the hard kill.
-    """
-    _validate(
-        group_rank=group_rank,
-        group_size=group_size,
-        store_port=store_port,
-        timeout_s=timeout_s,
-        payload_bytes=payload_bytes,
-    )
-    deadline = _Deadline(timeout_s)
-    child_timeout_s = timeout_s - min(2.0, 0.25 * timeout_s)
-    argv = [
-        python,
-        "-m",
-        "dlrover_hpc.netcheck.probe",
-        "--json",
-        f"--group-rank={group_rank}",
-        f"--group-size={group_size}",
-        f"--store-host={store_host}",
-        f"--store-port={store_port}",
-        f"--timeout-s={child_timeout_s:.3f}",
-        f"--prefix={prefix}",
-        f"--payload-bytes={payload_bytes}",
-    ]
-    if is_store_host:
-        argv.append("--store-host-side")
-    if matmul_size is not None:
-        argv.append(f"--matmul-size={matmul_size}")
-    if use_cuda is not None:
-        argv.append("--cuda" if use_cuda else "--no-cuda")
-    started = time.monotonic()
-    proc = subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=_child_env(env),
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=max(deadline.left_s(), 0.0))
-    except subprocess.TimeoutExpired:
-        _kill_session(proc)
-        out, err = _drain(proc)
-        logger.warning("netcheck_probe_killed pid=%d timeout_s=%g", proc.pid, timeout_s)
-        return ProbeResult(
-            ok=False,
-            error=(
-                f"probe did not finish within {timeout_s:g} s and was killed (pid {proc.pid})"
-                f"{_stderr_note(err)}"
-            ),
-            elapsed_s=time.monotonic() - started,
-        )
-    return _parse_child(out, err, returncode=proc.returncode, elapsed_s=time.monotonic() - started)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -309,9 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if result.ok else 1
 
 
-def _validate(
+def validate_args(
     *, group_rank: int, group_size: int, store_port: int, timeout_s: float, payload_bytes: int
 ) -> None:
+    """Raise `NetcheckError` naming the first argument of a probe that is out of range."""
     if group_size < 2:
         raise NetcheckError(f"group_size={group_size}; a probe group needs at least 2 members")
     if not 0 <= group_rank < group_size:
@@ -324,7 +206,7 @@ def _validate(
         raise NetcheckError(f"payload_bytes={payload_bytes}; expected at least 4 (one float32)")
 
 
-def _share(deadline: _Deadline, share: float) -> float:
+def _share(deadline: Deadline, share: float) -> float:
     left = deadline.left_s()
     if left <= 0:
         raise TimeoutError("the probe's time ran out")
@@ -380,7 +262,7 @@ def _connect_store(
     )
 
 
-def _finish(store: Any, *, group_size: int, is_host: bool, deadline: _Deadline) -> None:
+def _finish(store: Any, *, group_size: int, is_host: bool, deadline: Deadline) -> None:
     """Keep the store host alive until every member is done with the store."""
     store.add("finished", 1)
     if not is_host:
@@ -391,56 +273,8 @@ def _finish(store: Any, *, group_size: int, is_host: bool, deadline: _Deadline) 
         time.sleep(0.01)
 
 
-def _child_env(env: Mapping[str, str] | None) -> dict[str, str]:
-    merged = dict(os.environ if env is None else env)
-    # The child must import this same package. An installed package is found anyway; a source
-    # checkout that this process found through its own path is handed on explicitly.
-    root = Path(__file__).resolve().parents[2]
-    if "site-packages" not in root.parts and "dist-packages" not in root.parts:
-        path = merged.get("PYTHONPATH", "")
-        merged["PYTHONPATH"] = str(root) if not path else f"{root}{os.pathsep}{path}"
-    return merged
-
-
-def _kill_session(proc: subprocess.Popen[str]) -> None:
-    """Kill the child and anything it started: it leads its own session (start_new_session)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    except PermissionError:
-        proc.kill()
-
-
-def _drain(proc: subprocess.Popen[str]) -> tuple[str, str]:
-    try:
-        return proc.communicate(timeout=5.0)
-    except subprocess.TimeoutExpired:
-        return "", ""
-
-
-def _parse_child(out: str, err: str, *, returncode: int, elapsed_s: float) -> ProbeResult:
-    line = next((ln for ln in reversed(out.splitlines()) if ln.startswith("{")), None)
-    if line is None:
-        return ProbeResult(
-            ok=False,
-            error=f"probe exited with code {returncode} without a result{_stderr_note(err)}",
-            elapsed_s=elapsed_s,
-        )
-    try:
-        return ProbeResult.from_json(line)
-    except (NetcheckError, TypeError) as e:
-        return ProbeResult(ok=False, error=f"unreadable probe result: {e}", elapsed_s=elapsed_s)
-
-
-def _stderr_note(err: str) -> str:
-    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-    if not lines:
-        return ""
-    return f"; stderr: {_first_line(lines[-1])[-_STDERR_TAIL_CHARS:]}"
-
-
-def _first_line(text: str) -> str:
+def first_line(text: str) -> str:
+    """The first line of ``text``, stripped (``text`` itself when it is blank)."""
     return text.strip().splitlines()[0] if text.strip() else text
 
 

@@ -5,21 +5,31 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any, ClassVar, TypeVar
 
 from dlrover_hpc.errors import ProtocolError
+from dlrover_hpc.events import EventName
 from dlrover_hpc.protocol.wire import Frame
 
 
-class NodeStatus(Enum):
+class NodeStatus(StrEnum):
     """What the master tells an agent about its place in the job."""
 
     ACTIVE = "active"  # in the current round: start workers
-    SPARE = "spare"  # hot spare: keep waiting
     FINISHED = "finished"  # the job is over: exit with exit_code
     EXCLUDED = "excluded"  # quarantined or drained: exit
     NETCHECK = "netcheck"  # run a network-check probe with this group, report, wait again
+
+
+class NodeState(StrEnum):
+    """A node's state in the master's table (``dlrover-hpc status`` shows it)."""
+
+    WAITING = "waiting"  # in rendezvous (a hot spare waits here too)
+    ACTIVE = "active"  # in the current round, workers running
+    DONE = "done"  # workers finished successfully
+    LOST = "lost"  # stopped heart-beating or disconnected
+    EXCLUDED = "excluded"  # quarantined / drained: never admitted again in this job
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,7 +71,7 @@ class WaitRound(Message):
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Assignment(Message):
     TYPE: ClassVar[str] = "assignment"
-    status: str  # NodeStatus value
+    status: NodeStatus
     round: int = 0
     node_rank: int = -1
     nnodes: int = 0
@@ -145,6 +155,18 @@ class StatusRequest(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class NodeRow:
+    """One node of a :class:`StatusReply` (not a message of its own)."""
+
+    agent_id: str
+    node: str
+    rank: int
+    state: NodeState
+    round: int
+    nproc: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class StatusReply(Message):
     TYPE: ClassVar[str] = "status_reply"
     job_id: str
@@ -152,7 +174,7 @@ class StatusReply(Message):
     round: int
     restart_count: int
     max_restarts: int
-    nodes: list[dict[str, Any]]
+    nodes: list[NodeRow]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -177,7 +199,7 @@ class Event(Message):
     """An agent's or worker's event for the job's events.jsonl (the master is its one writer)."""
 
     TYPE: ClassVar[str] = "event"
-    event: str
+    event: EventName
     fields: dict[str, Any]
 
 
@@ -224,16 +246,32 @@ REGISTRY: dict[str, type[Message]] = {
 M = TypeVar("M", bound=Message)
 
 
-def to_frame(message: Message, *, frame_id: int | None = None) -> Frame:
+def _plain(value: Any) -> Any:
+    """A field value as JSON: enums by value, nested rows as objects; others as they are."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+        return [_fields(v) for v in value]
+    return value
+
+
+def _fields(obj: Any) -> dict[str, Any]:
     # A shallow field copy, not dataclasses.asdict: asdict deep-copies every list.
-    body = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
-    return Frame(type=message.TYPE, id=frame_id, body=body)
+    return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+
+
+def to_frame(message: Message, *, frame_id: int | None = None) -> Frame:
+    return Frame(type=message.TYPE, id=frame_id, body=_fields(message))
 
 
 def _matches(value: Any, hint: Any) -> bool:
     origin = typing.get_origin(hint)
     if hint is Any:
         return True
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        return isinstance(value, hint) or value in {e.value for e in hint}
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return isinstance(value, hint) or (isinstance(value, dict) and _row_matches(value, hint))
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, h) for h in typing.get_args(hint))
     if hint is type(None):
@@ -250,7 +288,34 @@ def _matches(value: Any, hint: Any) -> bool:
     return isinstance(value, hint)
 
 
-_HINTS: dict[type[Message], dict[str, Any]] = {}
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = {k: v for k, v in typing.get_type_hints(cls).items() if k != "TYPE"}
+    return hints
+
+
+def _row_matches(value: dict[str, Any], cls: type) -> bool:
+    hints = _hints(cls)
+    return set(value) == set(hints) and all(_matches(v, hints[k]) for k, v in value.items())
+
+
+def _typed(value: Any, hint: Any) -> Any:
+    """``value`` (already checked by :func:`_matches`) as ``hint``'s enum or row type."""
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        return hint(value)
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        if isinstance(item, type) and dataclasses.is_dataclass(item):
+            hints = _hints(item)
+            return [
+                v if isinstance(v, item) else item(**{k: _typed(x, hints[k]) for k, x in v.items()})
+                for v in value
+            ]
+    return value
 
 
 def from_frame(frame: Frame) -> Message:
@@ -258,9 +323,7 @@ def from_frame(frame: Frame) -> Message:
     cls = REGISTRY.get(frame.type)
     if cls is None:
         raise ProtocolError(f"unknown message type {frame.type!r}")
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = _HINTS[cls] = {k: v for k, v in typing.get_type_hints(cls).items() if k != "TYPE"}
+    hints = _hints(cls)
     unknown = set(frame.body) - set(hints)
     if unknown:
         raise ProtocolError(f"{frame.type}: unknown fields {sorted(unknown)}")
@@ -268,7 +331,7 @@ def from_frame(frame: Frame) -> Message:
         if not _matches(value, hints[name]):
             raise ProtocolError(f"{frame.type}.{name}: {value!r} does not match {hints[name]}")
     try:
-        return cls(**frame.body)
+        return cls(**{name: _typed(value, hints[name]) for name, value in frame.body.items()})
     except TypeError as exc:
         raise ProtocolError(f"{frame.type}: {exc}") from None
 

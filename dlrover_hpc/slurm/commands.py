@@ -93,10 +93,3 @@ def requeue_job(job_id: str, *, run: Runner = run_command, timeout_s: float = 30
     done = run(argv, timeout_s=timeout_s)
     if done.returncode != 0:
         raise SlurmError(f"{shlex.join(argv)} failed: {done.stderr.strip()}")
-
-
-def show_topology(*, run: Runner = run_command, timeout_s: float = 15.0) -> str:
-    done = run(["scontrol", "show", "topology"], timeout_s=timeout_s)
-    if done.returncode != 0:
-        raise SlurmError(f"scontrol show topology failed: {done.stderr.strip()}")
-    return done.stdout

@@ -29,7 +29,7 @@ from typing import Any
 
 from dlrover_hpc.config import MasterConfig, NodeRange
 from dlrover_hpc.errors import ConfigError
-from dlrover_hpc.master.journal import make_job_dir
+from dlrover_hpc.jobdir import make_job_dir
 from dlrover_hpc.master.server import TOKEN_ENV, MasterServer, TorchStores, resolve_token
 from dlrover_hpc.ssh.blocklist import BlockedHost, QuarantineReader, block_host, read_blocklist
 from dlrover_hpc.ssh.errors import LaunchError
@@ -328,7 +328,7 @@ class Launcher:
         """Hosts whose agents the master lost: their links may be cut, so nobody waits for
         them (their agents stop on their own once they miss the master)."""
         connected = {
-            n["node"] for n in server.job.status().nodes if n["state"] not in ("lost", "excluded")
+            n.node for n in server.job.status().nodes if n.state not in ("lost", "excluded")
         }
         return {s.name for s in self.sessions if s.node not in connected}
 

@@ -1,15 +1,17 @@
-"""What runs where (pure): dlrover-run's arguments per host, active hosts and hot spares."""
+"""What runs where (pure): dlrover-run's arguments per host, active hosts and hot spares.
+
+``dlrover_hpc.cli.launch`` checks the user's dlrover-run arguments with dlrover-run's own parser
+and hands the result here as a :class:`RunArgs`.
+"""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import NoReturn, TypeVar
+from typing import TypeVar
 
-from dlrover_hpc.cli.run_args import build_parser, config_from_args
 from dlrover_hpc.config import NodeRange
-from dlrover_hpc.errors import ConfigError, UsageError
+from dlrover_hpc.errors import ConfigError
 from dlrover_hpc.ssh.blocklist import BlockedHost
 from dlrover_hpc.ssh.errors import LaunchError
 from dlrover_hpc.ssh.hostfile import HostEntry
@@ -20,12 +22,11 @@ T = TypeVar("T")
 _VALUE_FLAGS = frozenset(
     {"--nproc-per-node", "--nproc_per_node", "--nnodes", "--master", "--job-dir"}
 )
-RUN_EXAMPLE = "-- --nnodes=2:2 --nproc-per-node=2 train.py --steps 100"
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RunArgs:
-    """``dlrover-run``'s arguments after ``launch ... --``, checked and split."""
+    """``dlrover-run``'s arguments after ``launch ... --``, checked (by the CLI) and split."""
 
     options: tuple[str, ...]  # dlrover-run options, less those the launcher sets per host
     script: tuple[str, ...]  # the training script and its arguments
@@ -49,47 +50,8 @@ class RunArgs:
         ]
 
 
-def _raise_usage(message: str) -> NoReturn:
-    raise UsageError(f"dlrover-run arguments: {message}")
-
-
-def parse_run_args(tokens: Sequence[str]) -> RunArgs:
-    """Check the arguments with dlrover-run's own parser; raises UsageError (exit 2)."""
-    tokens = list(tokens)
-    if tokens[:1] == ["--"]:
-        tokens = tokens[1:]
-    if not tokens:
-        raise UsageError(f"launch needs dlrover-run's arguments after '--', e.g. {RUN_EXAMPLE}")
-    parser = build_parser()
-    parser.error = _raise_usage  # type: ignore[method-assign]
-    args = parser.parse_args(tokens)
-    split = len(tokens) - len(args.training_script_args) - 1
-    if split < 0 or tokens[split] != args.training_script:
-        raise UsageError(f"cannot find the training script in {' '.join(tokens)}")
-    given = {t.split("=", 1)[0] for t in tokens[:split] if t.startswith("-")}
-    if "--standalone" in given:
-        raise UsageError("launch runs the job master itself; drop --standalone")
-    if "--master" in given:
-        raise UsageError("launch runs the job master itself; drop --master")
-    checked = argparse.Namespace(**vars(args))
-    if str(args.nproc_per_node) in ("auto", "cpu", "gpu"):
-        checked.nproc_per_node = "1"  # resolved on each host, not here
-    try:
-        config_from_args(checked)
-    except ConfigError as exc:
-        raise UsageError(f"dlrover-run arguments: {exc}") from None
-    return RunArgs(
-        options=_drop_flags(tokens[:split]),
-        script=tuple(tokens[split:]),
-        nnodes=NodeRange.parse(args.nnodes) if "--nnodes" in given else None,
-        nproc_per_node=str(args.nproc_per_node),
-        max_restarts=int(args.max_restarts),
-        node_unit=int(args.node_unit),
-        job_dir=args.job_dir,
-    )
-
-
-def _drop_flags(options: Sequence[str]) -> tuple[str, ...]:
+def drop_launcher_flags(options: Sequence[str]) -> tuple[str, ...]:
+    """The user's dlrover-run options less those the launcher sets per host."""
     kept: list[str] = []
     skip = False
     for token in options:

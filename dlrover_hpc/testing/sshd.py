@@ -290,9 +290,6 @@ LogLevel INFO
         psutil.wait_procs(procs, timeout=10)
 
     # ----------------------------------------------------------- inspection
-    def sshd_pid(self, host: str) -> int:
-        return self._sshd[host].pid
-
     def _netns_processes(self, host: str) -> list[psutil.Process]:
         path = Path(f"/run/netns/{netns_name(host)}")
         if not path.exists():

@@ -1,0 +1,217 @@
+"""`SaverHost`: the node's checkpoint saver, owned by the agent.
+
+The agent constructs one per node, calls `start()` before spawning workers (and exports
+`DLROVER_HPC_SAVER_SOCKET=<socket_path>` to them), `persist_latest()` when a worker died and
+before restarting the workers, and `close()` at job end, which finishes in-flight persists and
+removes this job's segments on this node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import stat
+import threading
+from typing import Any
+
+from dlrover_hpc.checkpoint.api import CommitCoordinator, EventSink, FaultHook
+from dlrover_hpc.checkpoint.env import DEFAULT_SHM_DIR, current_user, segment_prefix
+from dlrover_hpc.checkpoint.saver.persist_queue import SaverCore
+from dlrover_hpc.checkpoint.saver.recovery import persist_latest
+from dlrover_hpc.checkpoint.saver.segments import list_segments, unlink_segments
+from dlrover_hpc.checkpoint.saver.worker_protocol import (
+    VERSION,
+    Hello,
+    Ping,
+    Saved,
+    Wait,
+    decode_request,
+    recv_frame,
+    send_frame,
+)
+from dlrover_hpc.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+
+class SaverHost:
+    """Listens on a Unix socket for workers' "saved" messages and persists their steps."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        node_name: str,
+        socket_path: str,
+        commit: CommitCoordinator,
+        events: EventSink | None,
+        shm_dir: str = DEFAULT_SHM_DIR,
+        io_threads: int = 4,
+        fault: FaultHook | None = None,
+    ) -> None:
+        if not job_id or not node_name:
+            raise CheckpointError("SaverHost needs a non-empty job_id and node_name")
+        self.job_id = job_id
+        self.node_name = node_name
+        self.socket_path = socket_path
+        self.shm_dir = shm_dir
+        self.prefix = segment_prefix(user=current_user(), job_id=job_id, node_name=node_name)
+        self.core = SaverCore(
+            commit=commit, events=events, node_name=node_name, io_threads=io_threads, fault=fault
+        )
+        self._listener: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        directory = os.path.dirname(self.socket_path) or "."
+        if not os.path.isdir(directory):
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(self.socket_path).st_mode):
+                os.unlink(self.socket_path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)
+        try:
+            listener.bind(self.socket_path)
+        finally:
+            os.umask(old_umask)
+        listener.listen(64)
+        self._listener = listener
+        self.core.start()
+        thread = threading.Thread(target=self._accept_loop, name="ckpt-saver-accept", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        logger.info(
+            "checkpoint saver_started socket=%s prefix=%s shm_dir=%s",
+            self.socket_path,
+            self.prefix,
+            self.shm_dir,
+        )
+
+    def persist_latest(self, timeout_s: float) -> int | None:
+        """After a worker died: persists the newest complete in-memory step not yet on
+        storage and returns it (None when there is nothing newer to persist)."""
+        paths = [s.path for s in list_segments(self.shm_dir, self.prefix)]
+        step = persist_latest(self.core, paths, timeout_s)
+        logger.info("checkpoint persist_latest step=%s segments=%d", step, len(paths))
+        return step
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        return self.core.wait_idle(timeout_s)
+
+    def segments(self) -> list[str]:
+        return [s.path for s in list_segments(self.shm_dir, self.prefix)]
+
+    def close(self, remove_segments: bool = True, *, timeout_s: float = 600.0) -> None:
+        """Stops listening, finishes in-flight persists, then unlinks this job's segments."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            listener, self._listener = self._listener, None
+            conns = list(self._conns)
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+        if not self.core.close(timeout_s=timeout_s):
+            logger.warning("checkpoint saver_close_timeout: persists still running were dropped")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        if remove_segments:
+            removed = unlink_segments(self.shm_dir, self.prefix)
+            logger.info("checkpoint segments_removed count=%d prefix=%s", len(removed), self.prefix)
+
+    # ------------------------------------------------------------------------ serving
+    def _accept_loop(self) -> None:
+        while True:
+            listener = self._listener
+            if listener is None:
+                return
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            thread = threading.Thread(
+                target=self._serve, args=(conn,), name="ckpt-saver-conn", daemon=True
+            )
+            thread.start()
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                try:
+                    frame = recv_frame(conn)
+                except (OSError, CheckpointError) as exc:
+                    logger.debug("checkpoint saver_conn_closed error=%s", exc)
+                    return
+                if frame is None:
+                    return
+                reply = self._handle(frame)
+                try:
+                    send_frame(conn, reply)
+                except OSError:
+                    return
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _handle(self, frame: dict[str, Any]) -> dict[str, Any]:
+        request_id = frame.get("id", 0)
+        try:
+            request_id, message, timeout_s = decode_request(frame)
+            result = self._dispatch(message, timeout_s)
+        except CheckpointError as exc:
+            return {"v": VERSION, "id": request_id, "ok": False, "error": str(exc)}
+        except Exception as exc:  # request boundary: answer, log once
+            logger.exception("checkpoint saver_request_failed type=%s", frame.get("type"))
+            return {"v": VERSION, "id": request_id, "ok": False, "error": repr(exc)}
+        return {"v": VERSION, "id": request_id, "ok": True, **result}
+
+    def _dispatch(self, message: Any, timeout_s: float) -> dict[str, Any]:
+        if isinstance(message, Hello):
+            logger.info("checkpoint worker_hello rank=%d pid=%d", message.rank, message.pid)
+            return {
+                "job_id": self.job_id,
+                "node_name": self.node_name,
+                "prefix": self.prefix,
+                "shm_dir": self.shm_dir,
+            }
+        if isinstance(message, Saved):
+            name = message.segment
+            if "/" in name or not name.startswith(self.prefix):
+                raise CheckpointError(
+                    f"segment {name!r} does not belong to job {self.job_id} on {self.node_name}"
+                )
+            self.core.submit(os.path.join(self.shm_dir, name), step=int(message.step))
+            return {}
+        if isinstance(message, Wait):
+            done = self.core.wait_committed(
+                message.ckpt_dir,
+                int(message.step),
+                timeout_s,
+                rank=int(message.rank),
+                token=int(message.token),
+            )
+            return {"committed": done}
+        if isinstance(message, Ping):
+            return {}
+        raise CheckpointError(f"unhandled request {type(message).__name__}")

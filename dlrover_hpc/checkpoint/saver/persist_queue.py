@@ -1,0 +1,367 @@
+"""The saver: persists pinned segments in a background thread and commits complete steps.
+
+It runs in the agent (`SaverHost`), so segments and persists outlive a crashed worker, or in
+the training process itself when there is no agent (`trainer.saver_connection.InProcessSaver`).
+It never imports torch.  One persist thread takes requests in arrival order, persisting all
+pending parts of one step together (each file with several I/O threads), then reports them to the
+`CommitCoordinator`; the one caller that completes a step writes its commit record.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+
+from dlrover_hpc.checkpoint.api import CommitCoordinator, EventSink, FaultHook
+from dlrover_hpc.checkpoint.saver.commit_records import CheckpointDir, CommitRecord
+from dlrover_hpc.checkpoint.saver.part_files import PartInfo, persist_part
+from dlrover_hpc.checkpoint.saver.segments import Header, Segment
+from dlrover_hpc.checkpoint.saver.storage import Storage, _no_fault
+from dlrover_hpc.errors import CheckpointError
+from dlrover_hpc.events import EventName
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class _Request:
+    path: str
+    segment: Segment
+    header: Header
+    info: PartInfo
+
+
+class SaverCore:
+    """Persist queue, commit and waiting; thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        commit: CommitCoordinator,
+        events: EventSink | None = None,
+        node_name: str = "",
+        io_threads: int = 4,
+        fault: FaultHook | None = None,
+        drop_cache: bool = True,
+    ) -> None:
+        self._commit = commit
+        self._events = events
+        self._node = node_name
+        self._io_threads = io_threads
+        self._fault: FaultHook = fault or _no_fault
+        self._drop_cache = drop_cache
+        self._cond = threading.Condition()
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._busy = False
+        self._stopping = False
+        self._segments: dict[str, Segment] = {}
+        self._pinned: set[str] = set()
+        self._storages: dict[str, Storage] = {}
+        self._durable: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=256)
+        self._failed: dict[int, int] = {}
+        self._committed: dict[str, int] = {}
+        self._token: int | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ckpt-saver", daemon=True)
+                self._thread.start()
+
+    def close(self, *, timeout_s: float = 600.0) -> bool:
+        """Finishes queued persists (up to `timeout_s`), then stops; True if all finished."""
+        idle = self.wait_idle(timeout_s)
+        with self._cond:
+            self._stopping = True
+            for req in self._queue:
+                self._unpin(req.path)
+            self._queue.clear()
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=max(1.0, timeout_s))
+        with self._cond:
+            for seg in self._segments.values():
+                seg.close()
+            self._segments.clear()
+            self._pinned.clear()
+        for storage in self._storages.values():
+            storage.close()
+        return idle
+
+    # ------------------------------------------------------------------------ requests
+    def submit(self, path: str, *, step: int) -> None:
+        """Pins the segment at `path` (which must hold `step`) and queues its persist."""
+        with self._cond:
+            if self._stopping:
+                raise CheckpointError("the checkpoint saver is shutting down")
+            if path in self._pinned:
+                raise CheckpointError(f"{path} is already queued for persisting")
+            seg = self._segment(path)
+            if not seg.try_lock(exclusive=False):
+                raise CheckpointError(f"{path} is being written; cannot persist step {step}")
+            header = seg.header()
+            info = PartInfo.from_header(header) if header else None
+            if header is None or header.step != step or info is None:
+                seg.unlock()
+                held = header.step if header else None
+                raise CheckpointError(
+                    f"{path} holds step {held}, not a persistable step {step}; "
+                    "it was overwritten or never completed"
+                )
+            self._observe_token(info.token)
+            self._pinned.add(path)
+            self._queue.append(_Request(path=path, segment=seg, header=header, info=info))
+            self._cond.notify_all()
+
+    def _segment(self, path: str) -> Segment:
+        seg = self._segments.get(path)
+        if seg is not None and path not in self._pinned and seg.stale():
+            seg.close()
+            seg = None
+        if seg is None:
+            seg = Segment(path, writable=False)
+            self._segments[path] = seg
+        else:
+            seg.remap_if_grown()
+        return seg
+
+    def _unpin(self, path: str) -> None:
+        seg = self._segments.get(path)
+        if seg is not None:
+            seg.unlock()
+        self._pinned.discard(path)
+
+    def _observe_token(self, token: int) -> None:
+        if self._token is not None and token != self._token:
+            logger.info("checkpoint new_generation token=%x", token)
+            reset = getattr(self._commit, "new_generation", None)
+            if callable(reset):
+                reset()
+        self._token = token
+
+    # ------------------------------------------------------------------------ persist loop
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if self._stopping and not self._queue:
+                    return
+                first = self._queue[0]
+                batch = [
+                    r
+                    for r in self._queue
+                    if r.info.step == first.info.step and r.info.ckpt_dir == first.info.ckpt_dir
+                ]
+                for r in batch:
+                    self._queue.remove(r)
+                self._busy = True
+            try:
+                self._persist_batch(batch)
+            except Exception:  # thread boundary: log once, keep serving
+                logger.exception("checkpoint saver_error step=%d", first.info.step)
+            finally:
+                with self._cond:
+                    for r in batch:
+                        self._unpin(r.path)
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _storage(self, ckpt_dir: str) -> Storage:
+        with self._cond:
+            storage = self._storages.get(ckpt_dir)
+            if storage is None:
+                storage = Storage(ckpt_dir, threads=self._io_threads, drop_cache=self._drop_cache)
+                self._storages[ckpt_dir] = storage
+            return storage
+
+    def _persist_batch(self, batch: list[_Request]) -> None:
+        info = batch[0].info
+        storage = self._storage(info.ckpt_dir)
+        cdir = CheckpointDir(info.ckpt_dir, storage)
+        t0 = time.perf_counter()
+        self._fault("persist:start")
+        existing = cdir.record(info.step)
+        if existing is not None and existing.token != info.token:
+            logger.warning(
+                "checkpoint recommit step=%d path=%s: an older save of this step is replaced",
+                info.step,
+                info.path,
+            )
+            cdir.uncommit(info.step)
+            existing = None
+        done: list[int] = []
+        nbytes = 0
+        for req in batch:
+            if existing is not None or self._is_durable(req.info):
+                done.extend(req.info.ranks)
+                continue
+            try:
+                nbytes += persist_part(storage, req.segment.mm, req.header, fault=self._fault)
+            except (OSError, CheckpointError) as exc:
+                self._report_failure(req.info, exc)
+                continue
+            with self._cond:
+                for rank in req.info.ranks:
+                    self._durable.append((rank, info.step, info.token))
+            done.extend(req.info.ranks)
+        if not done:
+            return
+        won = False
+        if existing is None:
+            try:
+                won = self._commit.part_durable(
+                    step=info.step, ranks=sorted(done), world_size=info.parts, path=info.path
+                )
+            except Exception as exc:  # the coordinator is a remote service: report, go on
+                logger.warning("checkpoint commit_unreachable step=%d error=%s", info.step, exc)
+            if won:
+                record = CommitRecord(
+                    step=info.step,
+                    path=info.path,
+                    kind=info.kind,
+                    parts=info.parts,
+                    token=info.token,
+                    time=time.time(),
+                )
+                try:
+                    cdir.commit(record, keep_last=info.keep_last, fault=self._fault)
+                except OSError as exc:
+                    self._report_failure(info, exc)
+                    return
+        if won or existing is not None:
+            with self._cond:
+                root = cdir.root
+                self._committed[root] = max(self._committed.get(root, -1), info.step)
+        seconds = time.perf_counter() - t0
+        logger.info(
+            "checkpoint persisted step=%d ranks=%s seconds=%.3f bytes=%d committed=%s",
+            info.step,
+            sorted(done),
+            seconds,
+            nbytes,
+            won,
+        )
+        if self._events is not None:
+            self._events.emit(
+                EventName.CHECKPOINT_PERSISTED,
+                step=info.step,
+                persist_s=round(seconds, 6),
+                ranks=sorted(done),
+                bytes=nbytes,
+                committed=won,
+                node=self._node,
+                path=info.path,
+            )
+
+    def _is_durable(self, info: PartInfo) -> bool:
+        with self._cond:
+            return all((r, info.step, info.token) in self._durable for r in info.ranks)
+
+    def _report_failure(self, info: PartInfo, exc: BaseException) -> None:
+        with self._cond:
+            for rank in info.ranks:
+                self._failed[rank] = info.step
+        logger.warning(
+            "checkpoint persist_failed step=%d ranks=%s path=%s error=%s: training continues "
+            "and the previous checkpoint stays intact",
+            info.step,
+            list(info.ranks),
+            info.path,
+            exc,
+        )
+        if self._events is not None:
+            self._events.emit(
+                EventName.CHECKPOINT_PERSIST_FAILED,
+                step=info.step,
+                ranks=list(info.ranks),
+                error=str(exc),
+                node=self._node,
+            )
+
+    # ------------------------------------------------------------------------ waiting
+    def wait_idle(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0 or (self._thread is None and not self._busy):
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def wait_committed(
+        self,
+        ckpt_dir: str,
+        step: int,
+        timeout_s: float,
+        *,
+        rank: int | None = None,
+        token: int | None = None,
+    ) -> bool:
+        """Until `step` of save `token` (or a newer step of it) is committed in `ckpt_dir`;
+        False on timeout or when this node failed to persist `rank`'s part of it."""
+        storage = self._storage(ckpt_dir)
+        cdir = CheckpointDir(ckpt_dir, storage)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._cond:
+                if self._committed.get(cdir.root, -1) >= step:
+                    return True
+                if rank is not None and self._failed.get(rank) == step:
+                    return False
+            if _committed_on_storage(cdir, step, token):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with self._cond:
+                self._cond.wait(min(0.1, left))
+
+    # ------------------------------------------------------------------------ for recovery
+    def peek(self, path: str, *, deadline: float) -> Header | None:
+        """The segment's complete step, waiting (until `deadline`) for a live writer."""
+        while True:
+            with self._cond:
+                try:
+                    seg = self._segment(path)
+                except FileNotFoundError:
+                    return None
+                if path in self._pinned:
+                    return seg.header()
+                if seg.try_lock(exclusive=False):
+                    try:
+                        return seg.header()
+                    finally:
+                        seg.unlock()
+            if time.monotonic() >= deadline:
+                logger.warning("checkpoint segment_busy path=%s: a writer still holds it", path)
+                return None
+            time.sleep(0.02)
+
+    def is_durable(self, *, rank: int, step: int, token: int) -> bool:
+        """Whether this saver made `rank`'s part of save `token` of `step` durable."""
+        with self._cond:
+            return (rank, step, token) in self._durable
+
+    def newest_committed(self, ckpt_dir: str) -> int | None:
+        return CheckpointDir(ckpt_dir, self._storage(ckpt_dir)).newest_step()
+
+
+def _committed_on_storage(cdir: CheckpointDir, step: int, token: int | None) -> bool:
+    newest = cdir.newest_step()
+    if newest is None or newest < step:
+        return False
+    if token is None:
+        return True
+    for candidate in (step, newest):
+        record = cdir.record(candidate)
+        if record is not None and record.token == token:
+            return True
+    return False

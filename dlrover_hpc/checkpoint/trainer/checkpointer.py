@@ -1,0 +1,160 @@
+"""What every checkpointer shares: its engine, failure reporting, the agreed restore, waiting.
+
+`DdpCheckpointer`, `RankCheckpointer` and `FsdpShardCheckpointer` differ in how a step is laid
+out and loaded; they tell `CheckpointerBase` how to prepare a load of one step from memory or
+from storage, and it runs the restore every rank agrees on (`restore_agreement`): one source
+and one step for all ranks, stepping back together when any rank cannot load it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dlrover_hpc.checkpoint.api import EventSink, PartKind
+from dlrover_hpc.checkpoint.env import WorkerEnv
+from dlrover_hpc.checkpoint.saver.commit_records import CommitRecord
+from dlrover_hpc.checkpoint.trainer.engine import Engine, MemoryStep
+from dlrover_hpc.checkpoint.trainer.gpu_staging import close_later
+from dlrover_hpc.checkpoint.trainer.restore_agreement import (
+    Agreement,
+    Holdings,
+    Load,
+    Source,
+    choose,
+    restore_agreed,
+)
+from dlrover_hpc.checkpoint.trainer.saver_connection import SaverLink
+from dlrover_hpc.errors import CheckpointError
+from dlrover_hpc.events import EventName
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointerBase:
+    """The engine of one checkpointer and what all checkpointers do the same way."""
+
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        *,
+        kind: PartKind,
+        verify: bool,
+        keep_last: int | None,
+        copy_threads: int | None,
+        io_threads: int,
+        tag: str,
+        events: EventSink | None,
+        env: WorkerEnv | None,
+        link: SaverLink | None,
+        device_snapshot: bool | None = None,
+    ) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self.verify = verify
+        self._engine = Engine(
+            checkpoint_dir,
+            kind=kind,
+            env=env,
+            keep_last=keep_last,
+            copy_threads=copy_threads,
+            io_threads=io_threads,
+            tag=tag,
+            events=events,
+            link=link,
+            device_snapshot=device_snapshot,
+        )
+        #: (step, "memory" | "storage") of the last successful load_checkpoint()
+        self.last_restored: tuple[int, str] | None = None
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    # ------------------------------------------------------------------------ saving
+    def _save_failed(self, step: int, error: BaseException | str) -> None:
+        logger.warning(
+            "checkpoint save_failed step=%d error=%s: training continues and the previous "
+            "checkpoint stays intact",
+            step,
+            error,
+        )
+        self._engine.emit(EventName.CHECKPOINT_SAVE_FAILED, step=step, error=str(error))
+
+    def wait_latest_checkpoint(self, timeout_s: float = 1800.0) -> bool:
+        """Until the newest DISK save is committed on storage; False on timeout or failure."""
+        self._engine.wait_pending()
+        step = self._engine.last_disk_step
+        return True if step is None else self._engine.wait_committed(step, timeout_s)
+
+    def close(self, *, remove_segments: bool | None = None) -> None:
+        """Finishes this process's persists (without an agent) and releases the segments;
+        they are removed unless an agent owns them (see `Engine.close`)."""
+        self._engine.close(remove_segments=remove_segments)
+
+    # ------------------------------------------------------------------------ restoring
+    def _load_agreed(
+        self,
+        from_memory: Callable[[MemoryStep], Load],
+        from_storage: Callable[[CommitRecord], Load],
+        *,
+        memory: bool = True,
+    ) -> tuple[Source, int, Any]:
+        """The state of the step every rank agrees on, with its source and step; (NONE, -1,
+        None) when there is none.  Every rank must call it.
+
+        `from_memory` / `from_storage` do this rank's local part of a load (map, verify; it
+        raises when this rank cannot load that step) and return the load proper, which may be
+        collective: it runs only once every rank has prepared the same step."""
+        engine = self._engine
+        in_memory = engine.memory_steps() if memory else {}
+        records = {r.step: r for r in engine.cdir.records()}
+        agreement = Agreement()
+        mine = Holdings(
+            memory={step: ms.token for step, ms in in_memory.items()},
+            newest_committed=max(records, default=-1),
+            token=engine.token,
+        )
+        choice = choose(agreement, mine)
+        engine.set_token(choice.token)
+
+        def prepare(source: Source, step: int) -> Load:
+            if source == Source.MEMORY:
+                return from_memory(in_memory[step])
+            record = records.get(step)
+            if record is None:
+                raise CheckpointError(f"no commit record for step {step} on this rank")
+            return from_storage(record)
+
+        try:
+            source, step, result = restore_agreed(agreement, choice, records, prepare)
+        finally:
+            for ms in in_memory.values():  # another rank's segments (the DDP node leader's)
+                if ms.segment.path != engine.segment_path(ms.buffer):
+                    close_later(ms.segment)
+        if source == Source.MEMORY:
+            engine.persist_restored(in_memory[step], records)
+        return source, step, result
+
+    def _report_restored(
+        self, source: Source, step: int, t0: float, device: torch.device | None = None
+    ) -> None:
+        """Logs and emits a finished restore; starts warming the segments for the next save."""
+        if source == Source.NONE:
+            logger.info("checkpoint restore_none: no checkpoint in memory or storage")
+            return
+        seconds = time.perf_counter() - t0
+        logger.info(
+            "checkpoint restored step=%d source=%s seconds=%.3f", step, source.value, seconds
+        )
+        self.last_restored = (step, source.value)
+        self._engine.prefault_in_background(device)
+        self._engine.emit(
+            EventName.CHECKPOINT_RESTORED,
+            step=step,
+            source=source.value,
+            restore_s=round(seconds, 6),
+        )

@@ -1,0 +1,334 @@
+"""The trainer side shared by every checkpointer: segments, the saver, events, storage.
+
+`Engine` wires one checkpointer's parts together: this rank's two segments (`SegmentPair`),
+the connection to its saver (`saver_connection`), GPU staging (`gpu_staging`), the event sink
+and storage.  It keeps the bookkeeping of a save (segment meta, the persist request, the
+event) and of a restore (the complete steps held in memory, the generation token).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
+from dlrover_hpc.checkpoint.env import WorkerEnv, segment_name
+from dlrover_hpc.checkpoint.event_sinks import JsonlEventSink
+from dlrover_hpc.checkpoint.saver.commit_records import CheckpointDir
+from dlrover_hpc.checkpoint.saver.segments import Header, Segment
+from dlrover_hpc.checkpoint.saver.storage import Storage
+from dlrover_hpc.checkpoint.trainer.cuda import SnapshotPolicy
+from dlrover_hpc.checkpoint.trainer.gpu_staging import DeferredSaves, HostPinner
+from dlrover_hpc.checkpoint.trainer.saver_connection import SaverLink, connect
+from dlrover_hpc.checkpoint.trainer.segment_pair import SegmentPair
+from dlrover_hpc.checkpoint.trainer.tensor_copy import Copier
+from dlrover_hpc.errors import CheckpointError
+from dlrover_hpc.events import EventName
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryStep:
+    """A complete step found in a segment."""
+
+    step: int
+    buffer: int
+    segment: Segment
+    header: Header
+
+    @property
+    def token(self) -> int:
+        """The generation token of the save that wrote it (-1 when the meta lacks it)."""
+        token = self.header.meta.get("token")
+        return token if isinstance(token, int) else -1
+
+
+class Engine:
+    """Segments, saver link, events and storage access for one checkpointer."""
+
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        *,
+        kind: PartKind,
+        env: WorkerEnv | None = None,
+        keep_last: int | None = None,
+        copy_threads: int | None = None,
+        io_threads: int = 4,
+        tag: str = "",
+        events: EventSink | None = None,
+        link: SaverLink | None = None,
+        max_wait_s: float = 600.0,
+        device_snapshot: bool | None = None,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise CheckpointError(f"keep_last={keep_last} must be at least 1 (or None: keep all)")
+        self.env = env or WorkerEnv.from_environ()
+        self.ckpt_dir = checkpoint_dir
+        self.kind = kind
+        self.keep_last = keep_last
+        self.tag = tag
+        self.token = self.env.generation_token()
+        ddp = kind == PartKind.DDP
+        #: DDP keeps one copy per node (local rank 0) and persists global rank 0's only
+        self.writes_memory = not ddp or self.env.local_rank == 0
+        self.persists = not ddp or self.env.rank == 0
+        self.parts = 1 if ddp else self.env.world_size
+        self.events = events if events is not None else _events_from_env(self.env)
+        self.link = link or connect(
+            self.env, events=self.events, io_threads=io_threads, parts_span_ranks=not ddp
+        )
+        self.copier = Copier(copy_threads)
+        self.storage = Storage(checkpoint_dir, threads=io_threads)
+        self.cdir = CheckpointDir(checkpoint_dir, self.storage)
+        self.pinner = HostPinner()
+        self.buffers = SegmentPair(self.segment_path, self.pinner, max_wait_s=max_wait_s)
+        #: the on-device snapshot and drain thread of saves that return early (GPU state)
+        self.deferred = DeferredSaves(SnapshotPolicy.from_env(device_snapshot))
+        self.last_disk_step: int | None = None
+        #: segments of other ranks opened for a restore and pinned ahead of it (DDP leader's)
+        self._readers: dict[str, Segment] = {}
+        self._closed = False
+        atexit.register(_close_at_exit, weakref.ref(self))
+        self._pin_existing_in_background()
+
+    def segment_path(self, buffer: int, *, rank: int | None = None) -> str:
+        rank = self.env.rank if rank is None else rank
+        name = segment_name(self.link.prefix, rank=rank, buffer=buffer, tag=self.tag)
+        return os.path.join(self.link.shm_dir, name)
+
+    # ------------------------------------------------------------------------ saving
+    def acquire(
+        self, image_len: int, meta_len: int, device: torch.device | None = None
+    ) -> tuple[Segment, float]:
+        """A buffer locked for writing (see `SegmentPair.acquire`) once earlier saves are
+        written."""
+        self.wait_pending()
+        return self.buffers.acquire(image_len, meta_len, device)
+
+    def finish(self, seg: Segment, *, seq: int, step: int, image_len: int, meta: bytes) -> None:
+        self.buffers.finish(seg, seq=seq, step=step, image_len=image_len, meta=meta)
+
+    def meta_bytes(
+        self, *, step: int, path: str, storage_type: StorageType, **fields: Any
+    ) -> bytes:
+        part = {"ranks": [self.env.rank], "parts": self.parts} if self.persists else None
+        meta = {
+            "format": 1,
+            "step": step,
+            "rank": self.env.rank,
+            "world_size": self.env.world_size,
+            "kind": self.kind.value,
+            "token": self.token,
+            "ckpt_dir": self.ckpt_dir,
+            "path": path,
+            "keep_last": self.keep_last,
+            "persist": storage_type == StorageType.DISK,
+            "part": part,
+            "pid": os.getpid(),
+            "time": time.time(),
+            **fields,
+        }
+        return json.dumps(meta, separators=(",", ":")).encode()
+
+    def after_write(
+        self,
+        seg: Segment,
+        *,
+        step: int,
+        storage_type: StorageType,
+        blocking_s: float,
+        total_s: float | None = None,
+        device: torch.device | None = None,
+    ) -> bool:
+        """Starts the second buffer's preparation, asks for a persist, emits the event
+        (`blocking_s`: training was held; `total_s`: until the step was whole in memory)."""
+        ok = True
+        self.buffers.prepare_second(seg.size, device)
+        if storage_type == StorageType.DISK:
+            self.last_disk_step = step
+            if self.persists:
+                try:
+                    self.link.submit(seg.path, step)
+                except CheckpointError as exc:
+                    ok = False
+                    logger.warning(
+                        "checkpoint persist_request_failed step=%d error=%s: the step stays in "
+                        "memory only; training continues",
+                        step,
+                        exc,
+                    )
+        self.emit(
+            EventName.CHECKPOINT_SAVED,
+            step=step,
+            storage=storage_type.value,
+            blocking_s=round(blocking_s, 6),
+            total_s=round(blocking_s if total_s is None else total_s, 6),
+        )
+        return ok
+
+    def wait_pending(self) -> None:
+        """Until the last deferred save (GPU snapshot drain) is in its segment."""
+        self.deferred.wait_pending()
+
+    def wait_prepared(self) -> None:
+        """Until background buffer preparation is done (benchmarks, tests, close)."""
+        self.buffers.wait_prepared()
+
+    def prefault_in_background(self, device: torch.device | None = None) -> None:
+        """After a restart the segments are mapped anew; populating their page tables off the
+        training path keeps the next save at memcpy speed (a fresh mapping faults 3x slower);
+        with a GPU they are page-locked too."""
+        mapped = [s for s in self.buffers.segments if s is not None and s.mm is not None]
+        self.buffers.warm_in_background(mapped, device)
+
+    def _pin_existing_in_background(self) -> None:
+        """After a restart, maps and page-locks the segments this rank will restore from, so
+        `load_checkpoint` copies into the GPU at DMA speed without paying for it."""
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return
+        device = torch.device("cuda", torch.cuda.current_device())
+        owner = self._restore_rank()
+        segments: list[Segment] = []
+        for buffer in (0, 1):  # opened here: the thread only pins them
+            path = self.segment_path(buffer, rank=owner)
+            try:
+                if owner == self.env.rank:
+                    if os.path.exists(path):
+                        segments.append(self.buffers.segment(buffer))
+                else:
+                    self._readers[path] = Segment(path, writable=False, shared_read=True)
+                    segments.append(self._readers[path])
+            except OSError as exc:
+                logger.debug("checkpoint pin_existing_skipped path=%s error=%s", path, exc)
+        self.buffers.warm_in_background(segments, device)
+
+    # ------------------------------------------------------------------------ restoring
+    def memory_steps(self) -> dict[int, MemoryStep]:
+        """Complete steps held in this rank's segments (the node leader's for DDP).
+
+        Does not wait for segments being page-locked in the background: a restore copies
+        from them as they are (registering costs more than it saves for one copy)."""
+        self.wait_pending()
+        rank = self._restore_rank()
+        found: dict[int, MemoryStep] = {}
+        for buffer in (0, 1):
+            if rank == self.env.rank:
+                seg = self.buffers.existing(buffer)
+            else:
+                seg = self._reader(self.segment_path(buffer, rank=rank))
+            if seg is None or not seg.try_lock(exclusive=False):
+                continue
+            try:
+                header = seg.header()
+            finally:
+                seg.unlock()
+            if header is None or not self._usable(header):
+                continue
+            found[header.step] = MemoryStep(
+                step=header.step, buffer=buffer, segment=seg, header=header
+            )
+        if rank == self.env.rank and found:
+            self.buffers.newest = found[max(found)].buffer
+        return found
+
+    def _restore_rank(self) -> int:
+        """Whose segments this rank restores from: its own, or its node leader's for DDP."""
+        if self.kind == PartKind.DDP:
+            return self.env.rank - self.env.local_rank
+        return self.env.rank
+
+    def _reader(self, path: str) -> Segment | None:
+        """Another rank's segment for reading: the one pinned ahead of the restore if it is
+        still current, else mapped now (None when it does not exist)."""
+        seg = self._readers.pop(path, None)
+        if seg is not None and not seg.stale():
+            return seg
+        if seg is not None:
+            seg.close()
+        try:
+            return Segment(path, writable=False, shared_read=True)
+        except FileNotFoundError:
+            return None
+        except PermissionError:  # not ours to map shared: a private copy reads too
+            try:
+                return Segment(path, writable=False, private=True)
+            except FileNotFoundError:
+                return None
+
+    def _usable(self, header: Header) -> bool:
+        meta = header.meta
+        if meta.get("kind") != self.kind.value:
+            return False
+        return self.kind == PartKind.DDP or meta.get("world_size") == self.env.world_size
+
+    def persist_restored(self, ms: MemoryStep, records: dict[int, Any]) -> None:
+        """Persists a step restored from memory that a dead process saved and nobody persisted
+        (no agent); with an agent, `SaverHost.persist_latest` did it before the restart."""
+        if not self.link.in_process or not self.persists or not self.writes_memory:
+            return
+        if ms.header.meta.get("pid") == os.getpid() or max(records, default=-1) >= ms.step:
+            return
+        try:
+            self.link.submit(ms.segment.path, ms.step)
+        except CheckpointError as exc:
+            logger.warning("checkpoint persist_after_restore_failed step=%d error=%s", ms.step, exc)
+
+    def wait_committed(self, step: int, timeout_s: float) -> bool:
+        self.wait_pending()
+        return self.link.wait_committed(self.ckpt_dir, step, timeout_s, self.env.rank, self.token)
+
+    def set_token(self, token: int) -> None:
+        self.token = token
+        setter = getattr(self.link, "set_generation", None)
+        if callable(setter):
+            setter(token)
+
+    # ------------------------------------------------------------------------ misc
+    def emit(self, event: EventName, **fields: Any) -> None:
+        if self.events is not None:
+            self.events.emit(event, rank=self.env.rank, node=self.env.node_name, **fields)
+
+    def close(self, *, remove_segments: bool | None = None) -> None:
+        """Waits for this process's persists (in-process saver) and releases the segments.
+
+        Segments are removed when this process owns the saver (no agent); under an agent
+        they stay for a restart and the agent removes them at job end.  At interpreter exit
+        without close(), a worker of an elastic launcher keeps them for its restart (a later
+        run sweeps those of finished standalone jobs).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.deferred.close()
+        self.buffers.wait_prepared()
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+        self.link.close()
+        self.copier.close()
+        remove = self.link.in_process if remove_segments is None else remove_segments
+        self.buffers.close(remove=remove)
+        self.storage.close()
+
+
+def _close_at_exit(ref: Any) -> None:
+    engine = ref()
+    if engine is not None:
+        # under an elastic launcher an exiting worker may be restarted: keep its memory
+        engine.close(remove_segments=engine.link.in_process and not engine.env.run_id)
+
+
+def _events_from_env(env: WorkerEnv) -> EventSink | None:
+    if not env.job_dir:
+        return None
+    return JsonlEventSink(os.path.join(env.job_dir, "events.jsonl"))

@@ -1,0 +1,211 @@
+"""`FsdpShardCheckpointer`: flash checkpoints of sharded state dicts through DCP.
+
+Saving runs `torch.distributed.checkpoint.save` with a shared-memory StorageWriter; the saver
+persists each rank's part in DCP's own file layout (`__<rank>_<token>.distcp` plus rank 0's
+`.metadata`), so `torch.distributed.checkpoint.load(sd, checkpoint_id=path)` reads it without
+this package.  `get_storage_reader()` (DLRover's name) returns the reader for the newest
+consistent step; `load_checkpoint(state_dict)` loads it in place, stepping back on failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import posixpath
+import time
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
+from dlrover_hpc.checkpoint.env import WorkerEnv
+from dlrover_hpc.checkpoint.formats.dcp_layout import METADATA_FILE
+from dlrover_hpc.checkpoint.saver.commit_records import CommitRecord
+from dlrover_hpc.checkpoint.saver.segments import HEADER_SIZE, Segment
+from dlrover_hpc.checkpoint.trainer.checkpointer import CheckpointerBase
+from dlrover_hpc.checkpoint.trainer.dcp_readers import ShmStorageReader, VerifyingFileReader
+from dlrover_hpc.checkpoint.trainer.dcp_writer import ShmStorageWriter
+from dlrover_hpc.checkpoint.trainer.engine import MemoryStep
+from dlrover_hpc.checkpoint.trainer.restore_agreement import Load, Source
+from dlrover_hpc.checkpoint.trainer.saver_connection import SaverLink
+from dlrover_hpc.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+
+class FsdpShardCheckpointer(CheckpointerBase):
+    """DLRover's FSDP flash checkpointer: DCP state dicts (FSDP SHARDED_STATE_DICT, DTensor)."""
+
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        *,
+        keep_last: int | None = None,
+        copy_threads: int | None = None,
+        io_threads: int = 4,
+        tag: str = "",
+        verify: bool = True,
+        events: EventSink | None = None,
+        env: WorkerEnv | None = None,
+        link: SaverLink | None = None,
+    ) -> None:
+        super().__init__(
+            checkpoint_dir,
+            kind=PartKind.DCP,
+            verify=verify,
+            keep_last=keep_last,
+            copy_threads=copy_threads,
+            io_threads=io_threads,
+            tag=tag,
+            events=events,
+            env=env,
+            link=link,
+        )
+        self._waited = 0.0
+
+    # ------------------------------------------------------------------------ saving
+    def save_checkpoint(
+        self,
+        step: int,
+        state_dict: dict[str, Any],
+        path: str = "",
+        storage_type: StorageType = StorageType.DISK,
+    ) -> bool:
+        """Runs a DCP save into shared memory (all ranks call it); DISK also persists."""
+        t0 = time.perf_counter()
+        engine = self._engine
+        path = path or posixpath.join(self.checkpoint_dir, str(step))
+        writer = ShmStorageWriter(
+            acquire=self._acquire,
+            copy=engine.copier.copy,
+            rank=engine.env.rank,
+            token=engine.token,
+            path=path,
+        )
+        try:
+            metadata = dcp.save(state_dict, storage_writer=writer)
+            seg = self._finish(writer, metadata, step=step, path=path, storage_type=storage_type)
+        except (CheckpointError, CheckpointException) as exc:
+            if writer.result is not None:
+                writer.result.segment.invalidate()
+                writer.result.segment.unlock()
+            self._save_failed(step, exc)
+            return False
+        blocking = time.perf_counter() - t0
+        return engine.after_write(seg, step=step, storage_type=storage_type, blocking_s=blocking)
+
+    def _acquire(self, image_len: int, meta_len: int, device: torch.device | None) -> Segment:
+        seg, self._waited = self._engine.acquire(image_len, meta_len, device)
+        return seg
+
+    def _finish(
+        self,
+        writer: ShmStorageWriter,
+        metadata: Any,
+        *,
+        step: int,
+        path: str,
+        storage_type: StorageType,
+    ) -> Segment:
+        result = writer.result
+        if result is None:
+            raise CheckpointError("DCP finished without writing this rank's part")
+        seg = result.segment
+        assert seg.mm is not None
+        try:
+            files = list(result.files)
+            if writer.is_coordinator:
+                raw = pickle.dumps(writer.metadata or metadata)
+                if len(raw) > result.metadata_room:
+                    raise CheckpointError(
+                        f"DCP metadata of {len(raw)} bytes exceeds the {result.metadata_room} "
+                        "bytes reserved for it"
+                    )
+                at = HEADER_SIZE + result.metadata_at
+                seg.mm[at : at + len(raw)] = raw
+                files.append([METADATA_FILE, result.metadata_at, result.metadata_at + len(raw)])
+            meta = self._engine.meta_bytes(
+                step=step,
+                path=path,
+                storage_type=storage_type,
+                files=files,
+                crc=result.crc,
+                restore=result.restore,
+            )
+            self._engine.finish(
+                seg, seq=result.seq, step=step, image_len=result.image_len, meta=meta
+            )
+        except BaseException:
+            seg.invalidate()
+            raise
+        finally:
+            seg.unlock()
+        return seg
+
+    # ------------------------------------------------------------------------ loading
+    def get_storage_reader(self) -> Any:
+        """A DCP StorageReader for the newest consistent step (memory or storage), or None.
+        Every rank must call it (the ranks agree on the source and step)."""
+
+        def from_memory(ms: MemoryStep) -> Load:
+            reader = ShmStorageReader(ms.segment, ms.header)
+            return lambda: (reader, ms.token)
+
+        def from_storage(record: CommitRecord) -> Load:
+            reader = VerifyingFileReader(self._engine.storage, record.path, verify=self.verify)
+            return lambda: (reader, record.token)
+
+        return self._load_agreed(from_memory, from_storage)[2]
+
+    def load_checkpoint(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Loads the newest consistent step into `state_dict` in place (DCP semantics) and
+        returns it; {} when there is no checkpoint.  Every rank must call it."""
+        t0 = time.perf_counter()
+
+        def from_memory(ms: MemoryStep) -> Load:
+            reader = ShmStorageReader(ms.segment, ms.header)
+            return lambda: (_dcp_load(state_dict, reader), ms.token)
+
+        def from_storage(record: CommitRecord) -> Load:
+            reader = VerifyingFileReader(self._engine.storage, record.path, verify=self.verify)
+            metadata = reader.read_metadata()  # this rank can read the step: then all load it
+            save_id = getattr(metadata.storage_meta, "save_id", None) or "0"
+            signature = int(save_id, 16) if _is_hex(save_id) else 0
+            return lambda: (_dcp_load(state_dict, reader), signature)
+
+        source, step, _ = self._load_agreed(from_memory, from_storage)
+        self._report_restored(source, step, t0)
+        return {} if source == Source.NONE else state_dict
+
+
+def _dcp_load(state_dict: dict[str, Any], reader: Any) -> dict[str, Any]:
+    """`dcp.load` (collective: DCP gathers every rank's error, so all ranks fail together)."""
+    try:
+        dcp.load(state_dict, storage_reader=reader)
+    except CheckpointException as exc:  # a BaseException: made an error the restore handles
+        raise CheckpointError(
+            f"torch.distributed.checkpoint.load failed: {_failures(exc)}"
+        ) from exc
+    return state_dict
+
+
+def _failures(exc: CheckpointException) -> str:
+    """The failing ranks and their errors, without DCP's tracebacks."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return str(exc)
+    parts = []
+    for rank, wrapped in sorted(failures.items()):
+        error = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+        parts.append(f"rank {rank}: {error}")
+    return "; ".join(parts)
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        int(text, 16)
+    except ValueError:
+        return False
+    return True

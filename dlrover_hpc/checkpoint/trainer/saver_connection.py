@@ -1,0 +1,216 @@
+"""How a training process reaches its saver: the agent's socket, or a saver thread of its own."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import re
+import weakref
+from datetime import timedelta
+from typing import Any, Protocol
+
+from dlrover_hpc.checkpoint.api import CommitCoordinator, EventSink, FaultHook
+from dlrover_hpc.checkpoint.env import ENV_SAVER_SOCKET, SEGMENT_PREFIX, WorkerEnv, safe_component
+from dlrover_hpc.checkpoint.saver.commits import CommitCounter, StoreCommitCoordinator
+from dlrover_hpc.checkpoint.saver.persist_queue import SaverCore
+from dlrover_hpc.checkpoint.saver.worker_protocol import Hello, Saved, SaverClient, Wait
+from dlrover_hpc.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+
+class SaverLink(Protocol):
+    """The saver as seen from a training process."""
+
+    prefix: str
+    shm_dir: str
+    in_process: bool
+
+    def submit(self, segment_path: str, step: int) -> None: ...
+
+    def wait_committed(
+        self, ckpt_dir: str, step: int, timeout_s: float, rank: int, token: int
+    ) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class SocketLink:
+    """The agent's saver, over `DLROVER_HPC_SAVER_SOCKET`."""
+
+    in_process = False
+
+    def __init__(self, env: WorkerEnv, *, connect_timeout_s: float = 10.0) -> None:
+        if not env.saver_socket:
+            raise CheckpointError(f"{ENV_SAVER_SOCKET} is not set")
+        self._client = SaverClient(env.saver_socket, connect_timeout_s=connect_timeout_s)
+        reply = self._client.request(
+            Hello(rank=env.rank, local_rank=env.local_rank, pid=os.getpid())
+        )
+        self.prefix = str(reply["prefix"])
+        self.shm_dir = str(reply["shm_dir"])
+
+    def submit(self, segment_path: str, step: int) -> None:
+        self._client.request(Saved(segment=os.path.basename(segment_path), step=step))
+
+    def wait_committed(
+        self, ckpt_dir: str, step: int, timeout_s: float, rank: int, token: int
+    ) -> bool:
+        reply = self._client.request(
+            Wait(ckpt_dir=ckpt_dir, step=step, rank=rank, token=token), timeout_s=timeout_s
+        )
+        return bool(reply.get("committed"))
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class InProcessSaver:
+    """A saver thread inside the training process (plain torchrun or a single process).
+
+    Persists in flight are finished at interpreter exit; a crash of the process loses them.
+    """
+
+    in_process = True
+
+    def __init__(
+        self,
+        env: WorkerEnv,
+        *,
+        commit: CommitCoordinator | None = None,
+        events: EventSink | None = None,
+        io_threads: int = 4,
+        parts_span_ranks: bool = True,
+        fault: FaultHook | None = None,
+    ) -> None:
+        self.prefix = env.prefix
+        self.shm_dir = env.shm_dir
+        if commit is None:
+            if env.world_size > 1 and parts_span_ranks:
+                store = store_coordinator_from_env()
+                store.namespace = f"{env.generation_token():x}"
+                commit = store
+            else:
+                commit = CommitCounter()
+        self.commit = commit
+        self.core = SaverCore(
+            commit=commit,
+            events=events,
+            node_name=env.node_name,
+            io_threads=io_threads,
+            fault=fault,
+        )
+        self.core.start()
+        self._closed = False
+        sweep_stale_segments(env)
+        ref = weakref.ref(self)
+        atexit.register(_close_at_exit, ref)
+
+    def submit(self, segment_path: str, step: int) -> None:
+        self.core.submit(segment_path, step=step)
+
+    def wait_committed(
+        self, ckpt_dir: str, step: int, timeout_s: float, rank: int, token: int
+    ) -> bool:
+        return self.core.wait_committed(ckpt_dir, step, timeout_s, rank=rank, token=token)
+
+    def set_generation(self, token: int) -> None:
+        if isinstance(self.commit, StoreCommitCoordinator):
+            self.commit.namespace = f"{token:x}"
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.core.close()
+
+
+def _close_at_exit(ref: Any) -> None:
+    saver = ref()
+    if saver is not None:
+        saver.close()
+
+
+_STANDALONE = re.compile(r"^standalone_(\d+)-")  # safe_component("standalone-<pid>")
+
+
+def sweep_stale_segments(env: WorkerEnv) -> list[str]:
+    """Removes our user's segments of standalone jobs whose launcher process is gone."""
+    mine = f"{SEGMENT_PREFIX}{safe_component(env.user)}-"
+    removed: list[str] = []
+    try:
+        names = os.listdir(env.shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(mine):
+            continue
+        m = _STANDALONE.match(name[len(mine) :])
+        if not m or _alive(int(m.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(env.shm_dir, name))
+            removed.append(name)
+    if removed:
+        logger.info("checkpoint stale_segments_removed count=%d", len(removed))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def connect(
+    env: WorkerEnv, *, events: EventSink | None, io_threads: int, parts_span_ranks: bool
+) -> SaverLink:
+    """The agent's saver if `DLROVER_HPC_SAVER_SOCKET` is set, else an in-process one."""
+    if env.saver_socket:
+        try:
+            return SocketLink(env)
+        except CheckpointError as exc:
+            logger.warning(
+                "checkpoint agent_saver_unreachable socket=%s error=%s: using an in-process "
+                "saver instead",
+                env.saver_socket,
+                exc,
+            )
+    else:
+        logger.warning(
+            "checkpoint: no agent saver (%s unset); persisting from a thread of this process, "
+            "so a crash loses the persist in flight and memory restore works only within "
+            "this node's process restarts; run under dlrover-run for agent-owned persistence",
+            ENV_SAVER_SOCKET,
+        )
+    return InProcessSaver(
+        env, events=events, io_threads=io_threads, parts_span_ranks=parts_span_ranks
+    )
+
+
+def store_coordinator_from_env(
+    env: dict[str, str] | None = None, *, timeout_s: float = 30.0
+) -> StoreCommitCoordinator:
+    """Commit counting in torchrun's own TCPStore (``MASTER_ADDR``/``MASTER_PORT``)."""
+    import torch.distributed as dist  # only in a training process (no agent saver)
+
+    env = dict(os.environ) if env is None else env
+    host, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if not host or not port:
+        raise CheckpointError(
+            "WORLD_SIZE > 1 but MASTER_ADDR/MASTER_PORT are not set; launch with torchrun "
+            "or dlrover-run so the ranks can agree on committed checkpoints"
+        )
+    store = dist.TCPStore(
+        host,
+        int(port),
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    return StoreCommitCoordinator(store)

@@ -1,0 +1,228 @@
+"""``dlrover-hpc launch``'s flags and environment turned into a :class:`LaunchConfig`.
+
+The arguments after ``--`` are checked with dlrover-run's own parser, ``DLROVER_HPC_MASTER_OPTS``
+with the ``master`` subcommand's; the launcher (``dlrover_hpc.ssh``) gets the checked values.
+Settings without a flag of their own come from the environment, like every dlrover-hpc flag:
+
+``DLROVER_HPC_BLOCKLIST``        a blocklist shared by jobs (besides the job dir's blocklist.txt)
+``DLROVER_HPC_KNOWN_HOSTS``      known_hosts file (default ~/.ssh/known_hosts)
+``DLROVER_HPC_SSH_CONFIG``       OpenSSH client config (default ~/.ssh/config)
+``DLROVER_HPC_SSH_PORT``         SSH port (default 22 or the config's)
+``DLROVER_HPC_CONNECT_TIMEOUT``  seconds to reach a host (default 10)
+``DLROVER_HPC_REMOTE_PYTHON``    Python on the hosts (default: this one, same path)
+``DLROVER_HPC_MASTER_OPTS``      extra ``dlrover-hpc master`` flags, e.g. --heartbeat-timeout=5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import shlex
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from dlrover_hpc.cli import run_args
+from dlrover_hpc.cli.commands import master_config, register_master
+from dlrover_hpc.config import DrainMode, MasterConfig, NodeRange
+from dlrover_hpc.errors import ConfigError, UsageError
+from dlrover_hpc.ssh.hostfile import load_hostfile
+from dlrover_hpc.ssh.launcher import LaunchConfig, Launcher
+from dlrover_hpc.ssh.plan import RunArgs, drop_launcher_flags
+from dlrover_hpc.ssh.session import SshOptions
+
+# Forwarded to the agents (through the helper's stdin, never on a command line).
+FORWARD_PREFIXES = ("DLROVER_HPC_", "NCCL_", "GLOO_", "TORCH_", "OMP_", "CUDA_", "PYTHONPATH")
+# The launcher's own settings, or set per host by it: not forwarded.
+_NOT_FORWARDED = frozenset(
+    {
+        "DLROVER_HPC_TOKEN",
+        "DLROVER_HPC_MASTER",
+        "DLROVER_HPC_MASTER_OPTS",
+        "DLROVER_HPC_JOB_DIR",
+        "DLROVER_HPC_NNODES",
+        "DLROVER_HPC_NPROC_PER_NODE",
+        "DLROVER_HPC_BLOCKLIST",
+        "DLROVER_HPC_KNOWN_HOSTS",
+        "DLROVER_HPC_SSH_CONFIG",
+        "DLROVER_HPC_SSH_PORT",
+        "DLROVER_HPC_CONNECT_TIMEOUT",
+        "DLROVER_HPC_REMOTE_PYTHON",
+    }
+)
+
+
+def register_launch(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="bare metal: start the master here and one agent per host over SSH",
+        description="Start the job master locally and dlrover-run on every host of the "
+        "hostfile over SSH; hosts beyond the active count are hot spares.",
+    )
+    p.add_argument("--hostfile", required=True, help="one host per line, optional slots=N")
+    p.add_argument("--spares", type=int, default=0, help="hosts kept as hot spares")
+    p.add_argument("--ssh-user", default=None, help="SSH user (default: yours)")
+    p.add_argument("--ssh-key", default=None, help="SSH private key file")
+    # Flags for the environment-only settings above.
+    p.add_argument("--blocklist", default=None, help="blocklist shared by jobs")
+    p.add_argument("--known-hosts", default=None, help="known_hosts file")
+    p.add_argument("--ssh-config", default=None, help="OpenSSH client config file")
+    p.add_argument("run_args", nargs=argparse.REMAINDER, help="-- then dlrover-run's arguments")
+    p.set_defaults(func=run_launch)
+
+
+def forwarded_env(env: Mapping[str, str]) -> dict[str, str]:
+    return {
+        k: v for k, v in env.items() if k.startswith(FORWARD_PREFIXES) and k not in _NOT_FORWARDED
+    }
+
+
+class _OptsParser(argparse.ArgumentParser):
+    """Parse errors become ConfigError (exit 2) naming the variable."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(
+            f"DLROVER_HPC_MASTER_OPTS: {message}; it takes the flags of "
+            "'dlrover-hpc master' (see its --help)"
+        )
+
+
+def master_from_opts(opts: str) -> MasterConfig:
+    """``DLROVER_HPC_MASTER_OPTS`` through the ``master`` subcommand's own parser."""
+    parser = _OptsParser(prog="DLROVER_HPC_MASTER_OPTS", allow_abbrev=False)
+    register_master(parser.add_subparsers(dest="command"))
+    try:
+        words = shlex.split(opts)
+    except ValueError as exc:
+        raise ConfigError(f"DLROVER_HPC_MASTER_OPTS={opts}: {exc}") from None
+    args = parser.parse_args(["master", *words])
+    config = master_config(args)
+    if not any(w == "--drain" or w.startswith("--drain=") for w in words):
+        # Bare metal has no scontrol: a faulty host is quarantined, then blocklisted.
+        config = dataclasses.replace(config, drain=DrainMode.QUARANTINE)
+    return config
+
+
+RUN_EXAMPLE = "-- --nnodes=2:2 --nproc-per-node=2 train.py --steps 100"
+
+
+def _raise_usage(message: str) -> NoReturn:
+    raise UsageError(f"dlrover-run arguments: {message}")
+
+
+def parse_run_args(tokens: Sequence[str]) -> RunArgs:
+    """Check the arguments with dlrover-run's own parser; raises UsageError (exit 2)."""
+    tokens = list(tokens)
+    if tokens[:1] == ["--"]:
+        tokens = tokens[1:]
+    if not tokens:
+        raise UsageError(f"launch needs dlrover-run's arguments after '--', e.g. {RUN_EXAMPLE}")
+    parser = run_args.build_parser()
+    parser.error = _raise_usage  # type: ignore[method-assign]
+    args = parser.parse_args(tokens)
+    split = len(tokens) - len(args.training_script_args) - 1
+    if split < 0 or tokens[split] != args.training_script:
+        raise UsageError(f"cannot find the training script in {' '.join(tokens)}")
+    given = {t.split("=", 1)[0] for t in tokens[:split] if t.startswith("-")}
+    if "--standalone" in given:
+        raise UsageError("launch runs the job master itself; drop --standalone")
+    if "--master" in given:
+        raise UsageError("launch runs the job master itself; drop --master")
+    checked = argparse.Namespace(**vars(args))
+    if str(args.nproc_per_node) in ("auto", "cpu", "gpu"):
+        checked.nproc_per_node = "1"  # resolved on each host, not here
+    try:
+        run_args.config_from_args(checked)
+    except ConfigError as exc:
+        raise UsageError(f"dlrover-run arguments: {exc}") from None
+    return RunArgs(
+        options=drop_launcher_flags(tokens[:split]),
+        script=tuple(tokens[split:]),
+        nnodes=NodeRange.parse(args.nnodes) if "--nnodes" in given else None,
+        nproc_per_node=str(args.nproc_per_node),
+        max_restarts=int(args.max_restarts),
+        node_unit=int(args.node_unit),
+        job_dir=args.job_dir,
+    )
+
+
+def _setting(args: argparse.Namespace, name: str, env: Mapping[str, str]) -> str | None:
+    value = getattr(args, name, None)
+    return value if value else env.get(f"DLROVER_HPC_{name.upper()}") or None
+
+
+def _check_files(key: str | None, known_hosts: str | None, ssh_config: str | None) -> None:
+    """Bad SSH files are the user's to fix once, not an error per host."""
+    for flag, path in (
+        ("DLROVER_HPC_KNOWN_HOSTS", known_hosts),
+        ("DLROVER_HPC_SSH_CONFIG", ssh_config),
+    ):
+        if path and not Path(path).is_file():
+            raise ConfigError(f"{flag}={path}: no such file")
+    if not key:
+        return
+    import asyncssh
+
+    try:
+        asyncssh.read_private_key(key)
+    except OSError as exc:
+        raise ConfigError(f"--ssh-key={key}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError as exc:  # KeyImportError, KeyEncryptionError
+        if "passphrase" in str(exc).lower():
+            raise ConfigError(
+                f"--ssh-key={key} is protected by a passphrase; add it to ssh-agent (ssh-add) "
+                "and drop --ssh-key"
+            ) from None
+        raise ConfigError(f"--ssh-key={key}: not a private key ({exc})") from None
+
+
+def launch_config(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> LaunchConfig:
+    env = os.environ if env is None else env
+    run = parse_run_args(args.run_args)
+    hosts = load_hostfile(args.hostfile)
+    job_id = f"launch-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    job_dir = Path(run.job_dir or Path.cwd() / ".dlrover-hpc" / job_id).absolute()
+    try:
+        timeout_s = float(env.get("DLROVER_HPC_CONNECT_TIMEOUT", "10"))
+        port = int(env["DLROVER_HPC_SSH_PORT"]) if env.get("DLROVER_HPC_SSH_PORT") else None
+    except ValueError as exc:
+        raise ConfigError(f"DLROVER_HPC_CONNECT_TIMEOUT / DLROVER_HPC_SSH_PORT: {exc}") from None
+    shared = _setting(args, "blocklist", env)
+    known_hosts = _setting(args, "known_hosts", env)
+    ssh_config = _setting(args, "ssh_config", env)
+    _check_files(args.ssh_key, known_hosts, ssh_config)
+    return LaunchConfig(
+        hostfile=str(args.hostfile),
+        hosts=tuple(hosts),
+        run=run,
+        spares=args.spares,
+        job_dir=job_dir,
+        job_id=job_id,
+        master=master_from_opts(env.get("DLROVER_HPC_MASTER_OPTS", "")),
+        shared_blocklist=Path(shared).absolute() if shared else None,
+        ssh=SshOptions(
+            user=args.ssh_user,
+            key=args.ssh_key,
+            known_hosts=known_hosts,
+            config=ssh_config,
+            port=port,
+            connect_timeout_s=timeout_s,
+        ),
+        remote_python=env.get("DLROVER_HPC_REMOTE_PYTHON") or sys.executable,
+        cwd=os.getcwd(),
+        env=forwarded_env(env),
+    )
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    if args.spares < 0:
+        raise ConfigError(f"--spares={args.spares}: must be 0 or more")
+    config = launch_config(args)
+    # asyncssh logs every channel at INFO; its warnings are enough next to ours.
+    logging.getLogger("asyncssh").setLevel(max(logging.WARNING, logging.getLogger().level))
+    return asyncio.run(Launcher(config).run())

@@ -1,0 +1,32 @@
+"""The argument parser of every command: a usage error is one line, not the whole usage."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from typing import NoReturn
+
+
+class Parser(argparse.ArgumentParser):
+    """``PROG: error: what is wrong; see 'PROG --help'`` on stderr, exit 2.
+
+    Exit codes: docs/ARCHITECTURE.md section 4.
+
+    Sub-command parsers are made with the parser's own class, so they answer the same way.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(
+            2, f"{self.prog}: error: {message}{_env_hint(message)}; see '{self.prog} --help'\n"
+        )
+
+
+def _env_hint(message: str) -> str:
+    """A bad value that came from ``DLROVER_HPC_<FLAG>`` (flag defaults): name the variable."""
+    match = re.match(r"argument --([\w-]+)", message)
+    if not match:
+        return ""
+    name = "DLROVER_HPC_" + match.group(1).replace("-", "_").upper()
+    value = os.environ.get(name)
+    return f" (from {name}={value})" if value is not None and f"'{value}'" in message else ""

@@ -1,0 +1,33 @@
+"""The names of the events in a job's ``events.jsonl`` (docs/ARCHITECTURE.md, the event log).
+
+Every writer and every reader of the log uses these members.  ``EventName`` is a ``StrEnum``:
+a member is written to JSON as its plain string, and compares equal to it when read back.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class EventName(StrEnum):
+    # The job's life (master).
+    JOB_STARTED = "job_started"
+    RENDEZVOUS_COMPLETE = "rendezvous_complete"
+    WORKERS_STARTED = "workers_started"
+    WORKER_FAILED = "worker_failed"
+    WORKERS_RESTARTED = "workers_restarted"
+    JOB_FINISHED = "job_finished"
+    # Nodes (master).
+    NODE_LOST = "node_lost"
+    NODE_ADMITTED = "node_admitted"
+    NETCHECK_RESULT = "netcheck_result"
+    NODE_DRAINED = "node_drained"
+    NODE_QUARANTINED = "node_quarantined"
+    REPLACEMENT_REQUESTED = "replacement_requested"
+    JOB_REQUEUED = "job_requeued"
+    # Checkpoints (training processes and the agents' savers).
+    CHECKPOINT_SAVED = "checkpoint_saved"
+    CHECKPOINT_SAVE_FAILED = "checkpoint_save_failed"
+    CHECKPOINT_PERSISTED = "checkpoint_persisted"
+    CHECKPOINT_PERSIST_FAILED = "checkpoint_persist_failed"
+    CHECKPOINT_RESTORED = "checkpoint_restored"

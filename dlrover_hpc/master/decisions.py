@@ -1,0 +1,262 @@
+"""What the master does about an event: pure functions from the node table to actions.
+
+Each function takes the facts it needs (the phase, the round, the node records, the clock's
+reading) and returns :data:`Action` values; none of them changes a record, talks to an agent or
+runs a Slurm command.  :class:`dlrover_hpc.master.job.Job` performs the actions in order.  The
+tests in ``tests/master/test_decisions.py`` call these directly, one row per case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+from dlrover_hpc.config import DrainMode
+from dlrover_hpc.master.nodes import NodeRecord, NodeState
+from dlrover_hpc.master.phases import Phase
+from dlrover_hpc.protocol import messages as m
+from dlrover_hpc.rendezvous.state import Decision, DecisionKind, RdzvParams, usable_count
+
+HARDWARE = "hardware"  # the agent's classification of a worker failure that drains its node
+
+
+# ------------------------------------------------------------------------- actions
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpenRound:
+    """Give up the running round: active agents stop their workers and re-join."""
+
+    phase: Phase  # one of phases.REOPEN
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Finish:
+    exit_code: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CountRestart:
+    """Charge one restart to ``--max-restarts`` (journaled)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Exclude:
+    """Never admit ``node`` again in this job (journaled)."""
+
+    node: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RemoveNode:
+    """Take ``node`` out of the cluster: ``scontrol`` drain, or quarantine."""
+
+    node: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MarkLost:
+    agent_id: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestReplacement:
+    count: int
+    avoid: tuple[str, ...]  # nodes the replacement must not land on
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Requeue:
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EnterPhase:
+    phase: Phase
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StartNetcheck:
+    agents: tuple[str, ...]  # the chosen agents
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CompleteRound:
+    agents: tuple[str, ...]  # the chosen agents
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WakeAt:
+    """Run the rendezvous decision again at this monotonic time."""
+
+    at: float | None
+
+
+Action = (
+    OpenRound
+    | Finish
+    | CountRestart
+    | Exclude
+    | RemoveNode
+    | MarkLost
+    | RequestReplacement
+    | Requeue
+    | EnterPhase
+    | StartNetcheck
+    | CompleteRound
+    | WakeAt
+)
+
+#: Node states that still count towards the job's capacity.
+USABLE = frozenset({NodeState.WAITING, NodeState.ACTIVE, NodeState.DONE})
+#: ... and towards a forming round: the rendezvous may still hear from these.
+ALIVE = frozenset({NodeState.WAITING, NodeState.ACTIVE})
+
+
+# ----------------------------------------------------------------------- decisions
+def worker_failed(
+    msg: m.WorkerFailed,
+    *,
+    node: str,
+    node_active: bool,
+    phase: Phase,
+    round: int,
+    restart_count: int,
+    max_restarts: int,
+    drain: DrainMode,
+) -> list[Action]:
+    """A worker failed on ``node`` (``node_active``: one of its agents is in the round).
+
+    A hardware fault excludes the node even when a peer's failure already opened the next
+    round (a dying rank often takes its peers down first).  The running round is charged
+    once: a report of an older round, or one whose node's exclusion already re-forms the
+    round (a membership change), spends no restart.
+    """
+    actions: list[Action] = []
+    hardware = msg.classification == HARDWARE and drain is not DrainMode.OFF
+    if hardware:
+        reason = f"hardware fault on rank {msg.rank}: {msg.reason[:120]}"
+        actions += [Exclude(node, reason), RemoveNode(node, reason)]
+    if msg.round != round or phase is not Phase.RUNNING or (hardware and node_active):
+        return actions
+    actions.append(CountRestart())
+    if restart_count + 1 > max_restarts:
+        actions.append(
+            Finish(1, f"worker failed and the job's {max_restarts} restarts are used up")
+        )
+    else:
+        actions.append(OpenRound(Phase.RESTARTING, f"worker {msg.rank} on {node} failed"))
+    return actions
+
+
+def workers_succeeded(phase: Phase, participants: Sequence[NodeRecord]) -> list[Action]:
+    """A node's workers all exited 0; the job is done when every node of the round is."""
+    if phase is Phase.RUNNING and all(n.state is NodeState.DONE for n in participants):
+        return [Finish(0, "all workers succeeded")]
+    return []
+
+
+def excluded(phase: Phase, node: str, reason: str, was_active: bool) -> list[Action]:
+    """``node`` was excluded; ``was_active``: one of its agents was in the running round."""
+    if was_active and phase is Phase.RUNNING:
+        return [OpenRound(Phase.SHRINKING, f"node {node} excluded: {reason}")]
+    return []
+
+
+def node_lost(phase: Phase, round: int, rec: NodeRecord, reason: str) -> list[Action]:
+    """``rec`` (still in its old state) stopped heart-beating or disconnected."""
+    if rec.state is NodeState.ACTIVE and rec.round == round and phase is Phase.RUNNING:
+        return [OpenRound(Phase.SHRINKING, f"node {rec.node} lost ({reason})")]
+    return []
+
+
+def lost_agents(
+    records: Iterable[NodeRecord], *, now: float, heartbeat_timeout_s: float
+) -> list[Action]:
+    """Agents silent for longer than the heartbeat timeout, or disconnected for a grace."""
+    grace = min(heartbeat_timeout_s, 3.0)
+    actions: list[Action] = []
+    for rec in records:
+        if rec.state in (NodeState.LOST, NodeState.EXCLUDED, NodeState.DONE):
+            continue
+        silent = now - rec.last_seen > heartbeat_timeout_s
+        gone = rec.disconnected_at is not None and now - rec.disconnected_at > grace
+        if silent or gone:
+            actions.append(
+                MarkLost(rec.agent_id, "no heartbeat" if silent else "connection closed")
+            )
+    return actions
+
+
+def scale_up(participants: Sequence[NodeRecord], ready: int, params: RdzvParams) -> list[Action]:
+    """Running below MAX while ``ready`` new agents (replacements) wait: take them in."""
+    if any(n.state is not NodeState.ACTIVE for n in participants):
+        return []
+    if ready and usable_count(params, len(participants) + ready) > len(participants):
+        return [OpenRound(Phase.RENDEZVOUS, f"scale up: {ready} more node(s) waiting")]
+    return []
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Capacity:
+    """What the capacity check remembers between calls."""
+
+    losses: int = 0  # nodes lost or excluded so far
+    replaced: int = 0  # ... for which replacements were requested
+    below_min_since: float | None = None
+
+    def lost(self, count: int = 1) -> Capacity:
+        return dataclasses.replace(self, losses=self.losses + count)
+
+
+def capacity(
+    cap: Capacity,
+    *,
+    phase: Phase,
+    records: Sequence[NodeRecord],
+    excluded_nodes: Iterable[str],
+    params: RdzvParams,
+    now: float,
+    min_nodes_timeout_s: float,
+    can_replace: bool,
+    can_requeue: bool,
+) -> tuple[Capacity, list[Action]]:
+    """After hot spares: ask for a replacement job; below MIN for too long: requeue.
+
+    The caller runs it only once its process completed a rendezvous: a master resumed from
+    its journal waits for its agents to reach it, as a fresh one does.
+    """
+    if phase in (Phase.FINISHED, Phase.FAILED):
+        return cap, []
+    actions: list[Action] = []
+    alive = sum(1 for n in records if n.state in USABLE)
+    if cap.losses > cap.replaced and alive < params.max_nodes and can_replace:
+        cap = dataclasses.replace(cap, replaced=cap.losses)
+        # Not on a node this job holds or has given up: Slurm shares nodes by default.
+        avoid = {n.node for n in records} | set(excluded_nodes)
+        actions.append(RequestReplacement(params.max_nodes - alive, tuple(sorted(avoid))))
+    if alive >= params.min_nodes:
+        return dataclasses.replace(cap, below_min_since=None), actions
+    if cap.below_min_since is None:
+        cap = dataclasses.replace(cap, below_min_since=now)
+    if phase in (Phase.RENDEZVOUS, Phase.RESTARTING, Phase.SHRINKING):
+        actions.append(EnterPhase(Phase.REPLACING))
+    waited = now - (cap.below_min_since or now)
+    if waited >= min_nodes_timeout_s and can_requeue:
+        reason = f"fewer than {params.min_nodes} nodes for {waited:.0f} s"
+        actions += [Requeue(reason), Finish(1, f"requeued: {reason}")]
+    return cap, actions
+
+
+def form_round(decision: Decision, *, params: RdzvParams, needs_netcheck: bool) -> list[Action]:
+    """The rendezvous decision for an open round, as actions."""
+    if decision.kind is DecisionKind.COMPLETE:
+        if needs_netcheck:
+            return [StartNetcheck(decision.chosen)]
+        return [CompleteRound(decision.chosen)]
+    if decision.kind is DecisionKind.TIMEOUT:
+        return [Finish(1, f"fewer than {params.min_nodes} nodes for {params.timeout_s:.0f} s")]
+    return [WakeAt(decision.wake_at)]

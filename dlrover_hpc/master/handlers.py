@@ -1,0 +1,178 @@
+"""What the master does with each agent message and each liveness tick.
+
+The server's handler table maps every request type to a method here.  A handler updates the
+node record the message is about and hands the decision to :mod:`dlrover_hpc.master.decisions`;
+:class:`dlrover_hpc.master.job.Job` carries out the resulting actions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+from dlrover_hpc.events import EventName
+from dlrover_hpc.master import decisions as d
+from dlrover_hpc.master.job import Job
+from dlrover_hpc.master.nodes import NodeRecord, NodeState
+from dlrover_hpc.master.phases import Phase
+from dlrover_hpc.protocol import messages as m
+
+log = logging.getLogger(__name__)
+
+
+class AgentHandlers:
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self._ids = itertools.count(1)
+
+    # ------------------------------------------------------------ messages
+    def join(self, msg: m.Join) -> m.JoinReply:
+        now = self.job.clock()
+        agent_id = msg.agent_id or f"{msg.node}-{next(self._ids)}"
+        excluded = msg.node in self.job.excluded_nodes
+        rec = NodeRecord(
+            agent_id=agent_id,
+            node=msg.node,
+            addr=msg.addr,
+            nproc=msg.nproc,
+            slurm_node_id=msg.slurm_node_id,
+            topology_addr=msg.topology_addr,
+            state=NodeState.EXCLUDED if excluded else NodeState.WAITING,
+            joined_at=now,
+            last_seen=now,
+        )
+        self.job.nodes[agent_id] = rec
+        self.job.netcheck.enabled |= msg.network_check  # any agent's --network-check turns it on
+        self.job.netcheck.exclude_straggler |= msg.exclude_straggler
+        log.info("agent joined agent=%s node=%s excluded=%s", agent_id, msg.node, excluded)
+        if self.job.phase is Phase.RUNNING and not excluded:
+            log.info("spare waiting agent=%s", agent_id)
+        self.job.poke()
+        return m.JoinReply(
+            agent_id=agent_id,
+            job_id=self.job.config.job_id,
+            heartbeat_interval_s=self.job.config.heartbeat_interval_s,
+        )
+
+    def wait_round(self, msg: m.WaitRound) -> asyncio.Future[m.Assignment]:
+        rec = self.job.record_of(msg.agent_id)
+        fut: asyncio.Future[m.Assignment] = asyncio.get_running_loop().create_future()
+        if self.job.ended:
+            fut.set_result(self.job.finished_assignment())
+            return fut
+        if rec.state is NodeState.EXCLUDED:
+            reason = f"node {rec.node} is excluded from this job"
+            fut.set_result(m.Assignment(status=m.NodeStatus.EXCLUDED, reason=reason))
+            return fut
+        if rec.state is NodeState.ACTIVE and rec.round > msg.after_round and rec.assignment:
+            fut.set_result(rec.assignment)  # it asked again (e.g. after a reconnect)
+            return fut
+        if rec.state is NodeState.DONE and self.job.phase is Phase.RUNNING:
+            pass  # finished its part: waits for the job's end (or a new round, see open_round)
+        elif rec.state in (NodeState.ACTIVE, NodeState.DONE, NodeState.LOST):
+            rec.state = NodeState.WAITING  # it stopped its workers and re-joins
+            rec.joined_at = self.job.clock()
+        if rec.waiter is not None and not rec.waiter.done():
+            rec.waiter.cancel()
+        if rec.pending is not None:  # a network-check task handed out while it was busy
+            fut.set_result(rec.pending)
+            rec.pending = None
+            return fut
+        rec.waiter = fut
+        self.job.poke()
+        return fut
+
+    def netcheck_report(self, msg: m.NetcheckReport) -> m.Ack:
+        self.job.record_of(msg.agent_id)
+        self.job.netcheck.report(msg.agent_id, msg)
+        self.job.poke()
+        return m.Ack()
+
+    def heartbeat(self, msg: m.Heartbeat) -> m.HeartbeatReply:
+        rec = self.job.record_of(msg.agent_id)
+        rec.last_seen = self.job.clock()
+        rec.disconnected_at = None
+        return m.HeartbeatReply(round=self.job.round, finished=self.job.ended)
+
+    def workers_started(self, msg: m.WorkersStarted) -> m.Ack:
+        rec = self.job.record_of(msg.agent_id)
+        self.job.emit(
+            EventName.WORKERS_STARTED,
+            node=rec.node,
+            node_rank=rec.rank,
+            round=msg.round,
+            pids=msg.pids,
+            restart_count=self.job.restart_count,
+        )
+        return m.Ack()
+
+    def worker_failed(self, msg: m.WorkerFailed) -> m.Ack:
+        rec = self.job.record_of(msg.agent_id)
+        self.job.emit(
+            EventName.WORKER_FAILED,
+            node=rec.node,
+            node_rank=rec.rank,
+            round=msg.round,
+            local_rank=msg.local_rank,
+            rank=msg.rank,
+            exit_code=msg.exit_code,
+            signal=msg.signal,
+            classification=msg.classification,
+            reason=msg.reason,
+        )
+        log.warning(
+            "worker failed node=%s local_rank=%d exit=%s signal=%s kind=%s restarts=%d/%d",
+            rec.node,
+            msg.local_rank,
+            msg.exit_code,
+            msg.signal,
+            msg.classification,
+            self.job.restart_count,
+            self.job.config.max_restarts,
+        )
+        on_node = [n for n in self.job.nodes.values() if n.node == rec.node]
+        self.job.apply(
+            d.worker_failed(
+                msg,
+                node=rec.node,
+                node_active=any(n.state is NodeState.ACTIVE for n in on_node),
+                phase=self.job.phase,
+                round=self.job.round,
+                restart_count=self.job.restart_count,
+                max_restarts=self.job.config.max_restarts,
+                drain=self.job.config.drain,
+            )
+        )
+        return m.Ack()
+
+    def workers_succeeded(self, msg: m.WorkersSucceeded) -> m.Ack:
+        rec = self.job.record_of(msg.agent_id)
+        if msg.round == self.job.round and rec.state is NodeState.ACTIVE:
+            rec.state = NodeState.DONE
+            log.info("workers succeeded node=%s rank=%d", rec.node, rec.rank)
+            self.job.apply(d.workers_succeeded(self.job.phase, self.job.participants()))
+        return m.Ack()
+
+    def checkpoint_part(self, msg: m.CheckpointPart) -> m.CheckpointCommit:
+        return m.CheckpointCommit(
+            commit=self.job.commits.part_durable(
+                step=msg.step, ranks=msg.ranks, world_size=msg.world_size, path=msg.path
+            )
+        )
+
+    # -------------------------------------------------------------- timers
+    def disconnected(self, agent_id: str) -> None:
+        rec = self.job.nodes.get(agent_id)
+        if rec is not None and rec.state not in (NodeState.LOST, NodeState.EXCLUDED):
+            rec.disconnected_at = self.job.clock()
+            self.job.poke()
+
+    def check_liveness(self) -> None:
+        self.job.apply(
+            d.lost_agents(
+                list(self.job.nodes.values()),
+                now=self.job.clock(),
+                heartbeat_timeout_s=self.job.config.heartbeat_timeout_s,
+            )
+        )

@@ -1,0 +1,297 @@
+"""The master's decisions, called directly: one table row per case, no server, no clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from dlrover_hpc.config import DrainMode
+from dlrover_hpc.master import decisions as d
+from dlrover_hpc.master.nodes import NodeRecord, NodeState
+from dlrover_hpc.master.phases import Phase
+from dlrover_hpc.protocol import messages as m
+from dlrover_hpc.rendezvous.state import Decision, DecisionKind, RdzvParams
+
+W, A, DONE, LOST, X = (
+    NodeState.WAITING,
+    NodeState.ACTIVE,
+    NodeState.DONE,
+    NodeState.LOST,
+    NodeState.EXCLUDED,
+)
+
+
+def rec(
+    name: str, state: NodeState = A, *, round: int = 1, rank: int = 0, **kw: float
+) -> NodeRecord:
+    return NodeRecord(
+        agent_id=f"{name}-1",
+        node=name,
+        addr=name,
+        nproc=2,
+        slurm_node_id=None,
+        topology_addr=None,
+        state=state,
+        round=round,
+        rank=rank,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def failure(*, round: int = 1, kind: str = "software", rank: int = 3) -> m.WorkerFailed:
+    return m.WorkerFailed(
+        agent_id="n1-1",
+        round=round,
+        local_rank=1,
+        rank=rank,
+        exit_code=1,
+        signal=None,
+        classification=kind,
+        reason="boom",
+    )
+
+
+HW = "hardware fault on rank 3: boom"
+RESTART = d.OpenRound(Phase.RESTARTING, "worker 3 on n1 failed")
+USED_UP = d.Finish(1, "worker failed and the job's 2 restarts are used up")
+
+
+@pytest.mark.parametrize(
+    "msg,node_active,phase,restarts,drain,expected",
+    [
+        # A worker of the running round fails: charge one restart and restart the round.
+        (failure(), True, Phase.RUNNING, 0, DrainMode.SCONTROL, [d.CountRestart(), RESTART]),
+        (failure(), True, Phase.RUNNING, 1, DrainMode.SCONTROL, [d.CountRestart(), RESTART]),
+        # ... the last one allowed is used: the job fails.
+        (failure(), True, Phase.RUNNING, 2, DrainMode.SCONTROL, [d.CountRestart(), USED_UP]),
+        # A report about an older round, or while the round is re-forming: nothing to charge.
+        (failure(round=0), True, Phase.RUNNING, 0, DrainMode.SCONTROL, []),
+        (failure(), True, Phase.RESTARTING, 0, DrainMode.SCONTROL, []),
+        (failure(), False, Phase.SHRINKING, 0, DrainMode.SCONTROL, []),
+        # A hardware fault excludes and drains the node; its exclusion re-forms the round,
+        # which is a membership change: no restart is charged.
+        (
+            failure(kind="hardware"),
+            True,
+            Phase.RUNNING,
+            0,
+            DrainMode.SCONTROL,
+            [d.Exclude("n1", HW), d.RemoveNode("n1", HW)],
+        ),
+        # ... even when a peer's failure already re-formed the round.
+        (
+            failure(kind="hardware"),
+            False,
+            Phase.RESTARTING,
+            0,
+            DrainMode.QUARANTINE,
+            [d.Exclude("n1", HW), d.RemoveNode("n1", HW)],
+        ),
+        # ... and the node is no longer active (its workers died first): the restart is charged.
+        (
+            failure(kind="hardware"),
+            False,
+            Phase.RUNNING,
+            0,
+            DrainMode.SCONTROL,
+            [d.Exclude("n1", HW), d.RemoveNode("n1", HW), d.CountRestart(), RESTART],
+        ),
+        # --drain off: a hardware fault is an ordinary failure.
+        (
+            failure(kind="hardware"),
+            True,
+            Phase.RUNNING,
+            0,
+            DrainMode.OFF,
+            [d.CountRestart(), RESTART],
+        ),
+    ],
+)
+def test_worker_failed(
+    msg: m.WorkerFailed,
+    node_active: bool,
+    phase: Phase,
+    restarts: int,
+    drain: DrainMode,
+    expected: list[d.Action],
+) -> None:
+    got = d.worker_failed(
+        msg,
+        node="n1",
+        node_active=node_active,
+        phase=phase,
+        round=1,
+        restart_count=restarts,
+        max_restarts=2,
+        drain=drain,
+    )
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    "phase,states,expected",
+    [
+        (Phase.RUNNING, [DONE, DONE], [d.Finish(0, "all workers succeeded")]),
+        (Phase.RUNNING, [DONE, A], []),
+        (Phase.RUNNING, [DONE, LOST], []),
+        (Phase.SHRINKING, [DONE, DONE], []),  # a node was lost meanwhile: the round re-forms
+    ],
+)
+def test_workers_succeeded(phase: Phase, states: list[NodeState], expected: list[d.Action]) -> None:
+    records = [rec(f"n{i}", s, rank=i) for i, s in enumerate(states)]
+    assert d.workers_succeeded(phase, records) == expected
+
+
+@pytest.mark.parametrize(
+    "phase,was_active,expected",
+    [
+        (Phase.RUNNING, True, [d.OpenRound(Phase.SHRINKING, "node n1 excluded: bad")]),
+        (Phase.RUNNING, False, []),  # a spare: nothing to re-form
+        (Phase.RESTARTING, True, []),  # the round re-forms already; the node is not in it
+        (Phase.WAITING, False, []),
+    ],
+)
+def test_excluded(phase: Phase, was_active: bool, expected: list[d.Action]) -> None:
+    assert d.excluded(phase, "n1", "bad", was_active) == expected
+
+
+@pytest.mark.parametrize(
+    "phase,state,round,expected",
+    [
+        (Phase.RUNNING, A, 1, [d.OpenRound(Phase.SHRINKING, "node n1 lost (no heartbeat)")]),
+        (Phase.RUNNING, W, 1, []),  # a hot spare
+        (Phase.RUNNING, A, 0, []),  # active in an older round only
+        (Phase.RESTARTING, A, 1, []),
+        (Phase.RUNNING, DONE, 1, []),  # its workers had finished
+    ],
+)
+def test_node_lost(phase: Phase, state: NodeState, round: int, expected: list[d.Action]) -> None:
+    assert d.node_lost(phase, 1, rec("n1", state, round=round), "no heartbeat") == expected
+
+
+def test_lost_agents_by_silence_or_disconnect() -> None:
+    records = [
+        rec("fresh", A, last_seen=95.0),
+        rec("silent", A, last_seen=89.0),  # 11 s > the 10 s timeout
+        rec("gone", W, last_seen=99.0, disconnected_at=96.0),  # 4 s > the 3 s grace
+        rec("blip", W, last_seen=99.0, disconnected_at=98.0),  # reconnects within the grace
+        rec("done", DONE, last_seen=0.0),
+        rec("lost", LOST, last_seen=0.0),
+        rec("excluded", X, last_seen=0.0),
+    ]
+    assert d.lost_agents(records, now=100.0, heartbeat_timeout_s=10.0) == [
+        d.MarkLost("silent-1", "no heartbeat"),
+        d.MarkLost("gone-1", "connection closed"),
+    ]
+
+
+PARAMS = RdzvParams(min_nodes=2, max_nodes=4, node_unit=1, last_call_s=1.0, timeout_s=60.0)
+
+
+@pytest.mark.parametrize(
+    "states,ready,params,expected",
+    [
+        ([A, A], 1, PARAMS, [d.OpenRound(Phase.RENDEZVOUS, "scale up: 1 more node(s) waiting")]),
+        ([A, A], 0, PARAMS, []),
+        ([A, DONE], 1, PARAMS, []),  # a node already finished: never restart a finishing job
+        ([A, A, A, A], 1, PARAMS, []),  # at MAX
+        # node_unit 2: one more node cannot be used
+        ([A, A], 1, RdzvParams(min_nodes=2, max_nodes=4, node_unit=2), []),
+    ],
+)
+def test_scale_up(
+    states: list[NodeState], ready: int, params: RdzvParams, expected: list[d.Action]
+) -> None:
+    participants = [rec(f"n{i}", s, rank=i) for i, s in enumerate(states)]
+    assert d.scale_up(participants, ready, params) == expected
+
+
+def _capacity(
+    cap: d.Capacity,
+    states: list[NodeState],
+    *,
+    phase: Phase = Phase.RUNNING,
+    now: float = 100.0,
+    can_replace: bool = True,
+    can_requeue: bool = True,
+) -> tuple[d.Capacity, list[d.Action]]:
+    return d.capacity(
+        cap,
+        phase=phase,
+        records=[rec(f"n{i}", s, rank=i) for i, s in enumerate(states)],
+        excluded_nodes=["bad"],
+        params=PARAMS,
+        now=now,
+        min_nodes_timeout_s=30.0,
+        can_replace=can_replace,
+        can_requeue=can_requeue,
+    )
+
+
+def test_capacity_requests_one_replacement_per_loss_avoiding_held_and_excluded_nodes() -> None:
+    cap, actions = _capacity(d.Capacity(losses=1), [A, A, A, LOST])
+    avoid = ("bad", "n0", "n1", "n2", "n3")
+    assert actions == [d.RequestReplacement(1, avoid)]
+    assert cap == d.Capacity(losses=1, replaced=1)
+    assert _capacity(cap, [A, A, A, LOST]) == (cap, [])  # asked once per loss
+    cap, actions = _capacity(cap.lost(), [A, A, LOST, LOST])
+    assert actions == [d.RequestReplacement(2, avoid)]
+
+
+@pytest.mark.parametrize(
+    "cap,states,kw,expected",
+    [
+        # Nothing lost, at MAX: nothing to do.
+        (d.Capacity(), [A, A, A, A], {}, []),
+        # Lost while spares cover it: at MAX again, no replacement.
+        (d.Capacity(losses=1), [A, A, A, A, LOST], {}, []),
+        # No replacement template: only the requeue path.
+        (d.Capacity(losses=1), [A, A, LOST], {"can_replace": False}, []),
+        # The job ended: nothing.
+        (d.Capacity(losses=1), [A, LOST], {"phase": Phase.FAILED}, []),
+    ],
+)
+def test_capacity_quiet_cases(
+    cap: d.Capacity, states: list[NodeState], kw: dict[str, object], expected: list[d.Action]
+) -> None:
+    assert _capacity(cap, states, **kw)[1] == expected  # type: ignore[arg-type]
+
+
+def test_capacity_below_min_replaces_then_requeues_after_the_timeout() -> None:
+    below = [W, LOST, LOST, LOST]
+    cap, actions = _capacity(d.Capacity(losses=3), below, phase=Phase.SHRINKING, now=100.0)
+    assert cap.below_min_since == 100.0
+    assert actions == [
+        d.RequestReplacement(3, ("bad", "n0", "n1", "n2", "n3")),
+        d.EnterPhase(Phase.REPLACING),
+    ]
+    cap, actions = _capacity(cap, below, phase=Phase.REPLACING, now=129.0)
+    assert actions == [] and cap.below_min_since == 100.0
+    cap, actions = _capacity(cap, below, phase=Phase.REPLACING, now=130.0)
+    reason = "fewer than 2 nodes for 30 s"
+    assert actions == [d.Requeue(reason), d.Finish(1, f"requeued: {reason}")]
+    # Back at MIN before the timeout: the timer resets.
+    cap, actions = _capacity(d.Capacity(below_min_since=100.0), [W, W], phase=Phase.REPLACING)
+    assert cap.below_min_since is None and actions == []
+    # Without --requeue the job waits (the rendezvous timeout ends it).
+    assert _capacity(cap, below, phase=Phase.REPLACING, now=1e6, can_requeue=False)[1] == []
+
+
+@pytest.mark.parametrize(
+    "decision,needs,expected",
+    [
+        (
+            Decision(kind=DecisionKind.COMPLETE, chosen=("a", "b")),
+            False,
+            [d.CompleteRound(("a", "b"))],
+        ),
+        (
+            Decision(kind=DecisionKind.COMPLETE, chosen=("a", "b")),
+            True,
+            [d.StartNetcheck(("a", "b"))],
+        ),
+        (Decision(kind=DecisionKind.WAIT, wake_at=12.5), False, [d.WakeAt(12.5)]),
+        (Decision(kind=DecisionKind.TIMEOUT), False, [d.Finish(1, "fewer than 2 nodes for 60 s")]),
+    ],
+)
+def test_form_round(decision: Decision, needs: bool, expected: list[d.Action]) -> None:
+    assert d.form_round(decision, params=PARAMS, needs_netcheck=needs) == expected

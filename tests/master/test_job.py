@@ -1,0 +1,289 @@
+"""The job executor driven directly: agent messages and timer ticks in, phases, pushes,
+journal, events and Slurm callbacks out.  Real TCPStores and files; only the clock is ours."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dlrover_hpc.config import MasterConfig, NodeRange
+from dlrover_hpc.master.handlers import AgentHandlers
+from dlrover_hpc.master.job import Job
+from dlrover_hpc.master.journal import EventLog, Journal
+from dlrover_hpc.master.nodes import NodeState
+from dlrover_hpc.master.phases import Phase
+from dlrover_hpc.master.server import TorchStores
+from dlrover_hpc.protocol import messages as m
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Harness:
+    """One Job with its handlers; records what the job pushes and asks Slurm to do."""
+
+    def __init__(self, tmp: Path, nnodes: str = "2:3", **config: Any) -> None:
+        self.clock = Clock()
+        self.pushed: list[tuple[str, m.Message]] = []
+        self.removed: list[tuple[str, str]] = []
+        self.replacements: list[tuple[int, list[str]]] = []
+        self.requeued: list[str] = []
+        self.tmp = tmp
+        cfg = MasterConfig(nnodes=NodeRange.parse(nnodes), job_id="42", last_call_s=1.0, **config)
+        self.job = Job(
+            cfg,
+            stores=TorchStores(),
+            store_host="127.0.0.1",
+            push=lambda agent, msg: self.pushed.append((agent, msg)),
+            clock=self.clock,
+            events=EventLog(tmp / "events.jsonl"),
+            journal=Journal(tmp / "journal.jsonl"),
+            remove_node=lambda node, why: self.removed.append((node, why)),
+            request_replacement=lambda n, avoid: self.replacements.append((n, avoid)),
+            requeue=self.requeued.append,
+        )
+        self.agents = AgentHandlers(self.job)
+        self.waits: dict[str, asyncio.Future[m.Assignment]] = {}
+
+    def join(self, node: str) -> str:
+        reply = self.agents.join(m.Join(node=node, addr=node, nproc=2))
+        return reply.agent_id
+
+    def wait(self, agent: str, after: int = 0) -> None:
+        self.waits[agent] = self.agents.wait_round(m.WaitRound(agent_id=agent, after_round=after))
+
+    def settle(self, seconds: float = 0.0) -> None:
+        self.clock.now += seconds
+        self.job.step()
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        lines = (self.tmp / "events.jsonl").read_text().splitlines()
+        return [e for e in map(json.loads, lines) if e["event"] == name]
+
+    def start(self, *nodes: str) -> list[str]:
+        """Join ``nodes``, wait past the last call: round 1 runs them."""
+        agents = [self.join(n) for n in nodes]
+        for a in agents:
+            self.wait(a)
+        self.settle(1.5)
+        assert self.job.phase is Phase.RUNNING
+        return agents
+
+    def rejoin(self, agents: list[str]) -> None:
+        for a in agents:
+            self.wait(a, after=self.job.round)
+
+
+def run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(body())
+
+
+def test_first_round_ranks_and_assigns(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path)
+        a, b = h.join("n1"), h.join("n2")
+        h.wait(a)
+        h.settle()
+        assert h.job.phase is Phase.WAITING  # below MIN
+        h.wait(b)
+        h.settle(0.5)
+        assert h.job.phase is Phase.WAITING  # MIN reached, but below MAX: the last call runs
+        h.settle(1.0)
+        assert h.job.phase is Phase.RUNNING and h.job.round == 1
+        got = {agent: fut.result() for agent, fut in h.waits.items()}
+        assert [g.node_rank for g in got.values()] == [0, 1]
+        assert [g.rank_offset for g in got.values()] == [0, 2]
+        assert {g.world_size for g in got.values()} == {4}
+        assert {g.status for g in got.values()} == {m.NodeStatus.ACTIVE}
+        assert h.events("rendezvous_complete")[0]["nodes"] == ["n1", "n2"]
+        assert Journal(tmp_path / "journal.jsonl").load()["round"] == 1
+        rows = h.job.status().nodes
+        assert [(r.node, r.rank, r.state) for r in rows] == [
+            ("n1", 0, NodeState.ACTIVE),
+            ("n2", 1, NodeState.ACTIVE),
+        ]
+
+    run(body)
+
+
+def test_worker_failure_restarts_the_round_and_charges_once(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, max_restarts=1)
+        agents = h.start("n1", "n2")
+        for agent, rank in ((agents[0], 0), (agents[1], 2)):  # both report: charged once
+            h.agents.worker_failed(
+                m.WorkerFailed(
+                    agent_id=agent,
+                    round=1,
+                    local_rank=0,
+                    rank=rank,
+                    exit_code=1,
+                    signal=None,
+                    classification="software",
+                    reason="boom",
+                )
+            )
+        assert h.job.phase is Phase.RESTARTING and h.job.restart_count == 1
+        assert sorted(a for a, msg in h.pushed if isinstance(msg, m.RoundChanged)) == agents
+        h.rejoin(agents)
+        h.settle(1.5)
+        assert h.job.phase is Phase.RUNNING and h.job.round == 2
+        assert h.events("workers_restarted")[0]["restart_count"] == 1
+        # The second failure exceeds --max-restarts=1: the job fails.
+        h.agents.worker_failed(
+            m.WorkerFailed(
+                agent_id=agents[0],
+                round=2,
+                local_rank=0,
+                rank=0,
+                exit_code=None,
+                signal="SIGSEGV",
+                classification="software",
+                reason="segv",
+            )
+        )
+        assert h.job.phase is Phase.FAILED and h.job.exit_code == 1
+        assert h.events("job_finished")[0]["reason"].endswith("1 restarts are used up")
+
+    run(body)
+
+
+def test_hardware_fault_excludes_drains_and_shrinks_without_charging(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path)
+        agents = h.start("n1", "n2", "n3")
+        h.agents.worker_failed(
+            m.WorkerFailed(
+                agent_id=agents[2],
+                round=1,
+                local_rank=1,
+                rank=5,
+                exit_code=1,
+                signal=None,
+                classification="hardware",
+                reason="Xid 79",
+            )
+        )
+        assert h.job.phase is Phase.SHRINKING and h.job.restart_count == 0
+        assert h.removed == [("n3", "hardware fault on rank 5: Xid 79")]
+        assert h.job.excluded_nodes == {"n3"}
+        # The excluded node's agent hears so; a new agent on that node is refused too.
+        h.wait(agents[2], after=1)
+        assert h.waits[agents[2]].result().status is m.NodeStatus.EXCLUDED
+        h.rejoin(agents[:2])
+        h.settle(1.5)
+        assert h.job.phase is Phase.RUNNING and h.events("rendezvous_complete")[-1]["nodes"] == [
+            "n1",
+            "n2",
+        ]
+        again = h.join("n3")
+        h.wait(again)
+        assert h.waits[again].result().status is m.NodeStatus.EXCLUDED
+
+    run(body)
+
+
+def test_lost_node_shrinks_replaces_then_requeues_below_min(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2", min_nodes_timeout_s=30.0, heartbeat_timeout_s=5.0)
+        a, _ = h.start("n1", "n2")
+        h.clock.now += 4.0
+        h.agents.heartbeat(m.Heartbeat(agent_id=a, round=1))
+        h.clock.now += 2.0  # b silent for 6 s > 5 s
+        h.agents.check_liveness()
+        assert h.job.phase is Phase.SHRINKING
+        assert [e["node"] for e in h.events("node_lost")] == ["n2"]
+        h.rejoin([a])
+        h.job.check_capacity()
+        assert h.replacements == [(1, ["n1", "n2"])]
+        assert h.job.phase is Phase.REPLACING
+        h.clock.now += 29.0
+        h.job.check_capacity()
+        assert not h.requeued
+        h.clock.now += 1.0
+        h.job.check_capacity()
+        assert h.requeued == ["fewer than 2 nodes for 30 s"]
+        assert h.job.phase is Phase.FAILED and h.job.exit_code == 1
+
+    run(body)
+
+
+def test_replacement_arrives_in_time_and_is_admitted(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2", heartbeat_timeout_s=5.0)
+        a, b = h.start("n1", "n2")
+        h.agents.disconnected(b)
+        h.clock.now += 3.5  # past the reconnect grace
+        h.agents.heartbeat(m.Heartbeat(agent_id=a, round=1))
+        h.agents.check_liveness()
+        h.rejoin([a])
+        h.job.check_capacity()
+        assert h.job.phase is Phase.REPLACING
+        c = h.join("n9")
+        h.wait(c)
+        h.settle()
+        assert h.job.phase is Phase.RUNNING and h.job.round == 2
+        assert [e["node"] for e in h.events("node_admitted")] == ["n9"]
+        h.job.check_capacity()
+        assert not h.requeued and len(h.replacements) == 1
+
+    run(body)
+
+
+def test_all_workers_succeed_and_spares_are_told(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2")
+        a, b = h.start("n1", "n2")
+        spare = h.join("n3")
+        h.wait(spare)
+        h.settle()
+        assert not h.waits[spare].done()  # a hot spare keeps waiting
+        h.agents.workers_succeeded(m.WorkersSucceeded(agent_id=a, round=1))
+        assert h.job.phase is Phase.RUNNING
+        h.agents.workers_succeeded(m.WorkersSucceeded(agent_id=b, round=1))
+        assert h.job.phase is Phase.FINISHED and h.job.exit_code == 0
+        assert h.waits[spare].result().status is m.NodeStatus.FINISHED
+        assert h.agents.heartbeat(m.Heartbeat(agent_id=a, round=1)).finished
+
+    run(body)
+
+
+def test_scale_up_takes_in_a_late_node(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3")
+        agents = h.start("n1", "n2")
+        late = h.join("n3")
+        h.wait(late)
+        h.settle()
+        assert h.job.phase is Phase.RENDEZVOUS
+        h.rejoin(agents)
+        h.settle()
+        assert h.job.phase is Phase.RUNNING and h.job.round == 2 and h.job.restart_count == 0
+        assert h.waits[late].result().nnodes == 3
+
+    run(body)
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_stop_signal_fails_the_job_from_any_live_phase(tmp_path: Path, first: bool) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path)
+        if not first:
+            h.start("n1", "n2")
+        h.job.request_stop("SIGTERM")
+        h.settle()
+        assert h.job.phase is Phase.FAILED and h.job.exit_code == 143
+        h.job.finish(0, "late")  # an ended job stays ended
+        assert h.job.phase is Phase.FAILED and h.job.exit_code == 143
+
+    run(body)

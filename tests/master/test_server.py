@@ -1,0 +1,198 @@
+"""The master's wire: framing, HMAC authentication, typed messages, over real loopback TCP."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from pathlib import Path
+
+import pytest
+
+from dlrover_hpc.config import MasterConfig, NodeRange
+from dlrover_hpc.errors import AuthError, ProtocolError
+from dlrover_hpc.master.server import MasterServer
+from dlrover_hpc.protocol import messages as m
+from dlrover_hpc.protocol import wire
+from dlrover_hpc.protocol.client import MasterClient
+
+TOKEN = "t0ken-for-tests"
+
+
+class FakeStores:
+    """A fake of our StoreFactory: hands out made-up ports instead of torch TCPStores."""
+
+    def __init__(self) -> None:
+        self.rounds: list[int] = []
+
+    def new_store(self, round: int) -> int:
+        self.rounds.append(round)
+        return 40000 + round
+
+
+def _server(tmp_path: Path, nnodes: str = "2:2") -> MasterServer:
+    cfg = MasterConfig(
+        host="127.0.0.1",
+        port=0,
+        nnodes=NodeRange.parse(nnodes),
+        job_dir=str(tmp_path),
+        job_id="77",
+        last_call_s=0.2,
+    )
+    return MasterServer(cfg, token=TOKEN, job_dir=tmp_path, stores=FakeStores())
+
+
+def test_frame_round_trip_and_bad_frames() -> None:
+    frame = wire.Frame(type="join", id=5, body={"node": "n1"})
+    data = wire.encode(frame)
+    assert struct.unpack(">I", data[:4])[0] == len(data) - 4
+    assert wire.decode(data[4:]) == frame
+    with pytest.raises(ProtocolError, match=r"unsupported protocol version 2; this side speaks 1"):
+        wire.decode(b'{"v":2,"type":"join","id":1,"body":{}}')
+    with pytest.raises(ProtocolError, match="frame is not JSON"):
+        wire.decode(b"\x80\x03pickle")
+    with pytest.raises(ProtocolError, match="unknown message type 'bogus'"):
+        m.from_frame(wire.Frame(type="bogus"))
+    with pytest.raises(ProtocolError, match=r"join\.nproc: 'two' does not match"):
+        m.from_frame(wire.Frame(type="join", body={"node": "a", "addr": "a", "nproc": "two"}))
+    with pytest.raises(ProtocolError, match=r"join: unknown fields \['evil'\]"):
+        m.from_frame(
+            wire.Frame(type="join", body={"node": "a", "addr": "a", "nproc": 1, "evil": 1})
+        )
+
+
+def test_client_with_wrong_token_is_refused_and_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def body() -> None:
+        server = _server(tmp_path)
+        port = await server.start()
+        with pytest.raises(AuthError, match="refused the job token"):
+            await MasterClient.connect("127.0.0.1", port, token="wrong")
+        # A client that ignores the challenge and sends a request is cut off, never served.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        challenge = await wire.read_frame(reader)
+        assert challenge.type == "challenge"
+        wire.write_frame(writer, m.to_frame(m.StatusRequest(), frame_id=1))
+        await writer.drain()
+        answer = await wire.read_frame(reader)
+        assert answer.type == "auth_failed"
+        with pytest.raises(EOFError):
+            await wire.read_frame(reader)
+        writer.close()
+        assert not server.job.nodes
+        await server.close()
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(body())
+    assert "reason=bad job token" in caplog.text
+
+
+def test_join_rendezvous_status_and_error_reply(tmp_path: Path) -> None:
+    async def body() -> None:
+        server = _server(tmp_path)
+        port = await server.start()
+        job = asyncio.create_task(server.job.run())
+        clients = [await MasterClient.connect("127.0.0.1", port, token=TOKEN) for _ in range(2)]
+        ids = []
+        for i, c in enumerate(clients):
+            reply = await c.request(
+                m.Join(node=f"node{i + 1}", addr=f"node{i + 1}", nproc=2), m.JoinReply, timeout_s=5
+            )
+            ids.append(reply.agent_id)
+        waits = [
+            c.request(m.WaitRound(agent_id=a, after_round=0), m.Assignment, timeout_s=10)
+            for c, a in zip(clients, ids, strict=True)
+        ]
+        a1, a2 = await asyncio.gather(*waits)
+        assert (a1.node_rank, a2.node_rank) == (0, 1)
+        assert (a1.world_size, a2.rank_offset, a1.store_port) == (4, 2, 40001)
+        status = await clients[0].request(m.StatusRequest(), m.StatusReply, timeout_s=5)
+        assert status.state == "running" and [n.state for n in status.nodes] == ["active"] * 2
+        # A message the master does not serve gets an error reply, never an empty success.
+        with pytest.raises(ProtocolError, match="'ack' is not a request the master serves"):
+            await clients[0].request(m.Ack(), m.Ack, timeout_s=5)
+        with pytest.raises(ProtocolError, match="unknown agent 'nobody'"):
+            await clients[0].request(
+                m.Heartbeat(agent_id="nobody", round=1), m.HeartbeatReply, timeout_s=5
+            )
+        for c in clients:
+            await c.close()
+        job.cancel()
+        await server.close()
+
+    asyncio.run(body())
+    events = (tmp_path / "events.jsonl").read_text()
+    assert '"event":"rendezvous_complete"' in events
+
+
+def test_worker_failure_opens_a_round_and_budget_is_per_job(tmp_path: Path) -> None:
+    async def body() -> None:
+        cfg = MasterConfig(
+            host="127.0.0.1",
+            port=0,
+            nnodes=NodeRange.parse("2:2"),
+            job_dir=str(tmp_path),
+            max_restarts=1,
+            last_call_s=0.1,
+        )
+        server = MasterServer(cfg, token=TOKEN, job_dir=tmp_path, stores=FakeStores())
+        port = await server.start()
+        job = asyncio.create_task(server.job.run())
+        cs = [await MasterClient.connect("127.0.0.1", port, token=TOKEN) for _ in range(2)]
+        ids = [
+            (
+                await c.request(m.Join(node=f"n{i}", addr="x", nproc=1), m.JoinReply, timeout_s=5)
+            ).agent_id
+            for i, c in enumerate(cs)
+        ]
+
+        async def round_of(after: int) -> list[m.Assignment]:
+            return list(
+                await asyncio.gather(
+                    *[
+                        c.request(
+                            m.WaitRound(agent_id=a, after_round=after), m.Assignment, timeout_s=10
+                        )
+                        for c, a in zip(cs, ids, strict=True)
+                    ]
+                )
+            )
+
+        first = await round_of(0)
+        fail = m.WorkerFailed(
+            agent_id=ids[1],
+            round=1,
+            local_rank=0,
+            rank=1,
+            exit_code=-9,
+            signal="SIGKILL",
+            classification="software",
+            reason="killed",
+        )
+        await cs[1].request(fail, m.Ack, timeout_s=5)
+        push = await asyncio.wait_for(cs[0].pushes.get(), 5)  # the other agent is told at once
+        assert isinstance(push, m.RoundChanged) and push.round == 2
+        second = await round_of(1)
+        assert [a.restart_count for a in second] == [1, 1]  # the same count on every node
+        assert first[0].store_port != second[0].store_port  # a fresh store per round
+        fail2 = m.WorkerFailed(
+            agent_id=ids[0],
+            round=2,
+            local_rank=0,
+            rank=0,
+            exit_code=1,
+            signal=None,
+            classification="software",
+            reason="again",
+        )
+        await cs[0].request(fail2, m.Ack, timeout_s=5)
+        final = await round_of(2)
+        assert [a.status for a in final] == ["finished", "finished"]
+        assert final[0].exit_code == 1 and "restarts are used up" in final[0].reason
+        for c in cs:
+            await c.close()
+        job.cancel()
+        await server.close()
+
+    asyncio.run(body())

@@ -1,0 +1,173 @@
+"""Pure parsers of Slurm output and environment, on verbatim captured output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dlrover_hpc.errors import UsageError
+from dlrover_hpc.slurm import commands
+from dlrover_hpc.slurm.env import parse_slurm_env
+from dlrover_hpc.slurm.hostnames import collect, expand
+from dlrover_hpc.slurm.parse import node_state, parse_oneliner, parse_sinfo_nodes
+
+DATA = Path(__file__).parents[1] / "data" / "slurm"
+
+
+@pytest.mark.parametrize(
+    ("text", "hosts"),
+    [
+        ("node1", ["node1"]),
+        ("node[1-4]", ["node1", "node2", "node3", "node4"]),
+        ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+        ("gpu-a[001-003,010],gpu-b7", ["gpu-a001", "gpu-a002", "gpu-a003", "gpu-a010", "gpu-b7"]),
+        ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+        ("", []),
+    ],
+)
+def test_expand(text: str, hosts: list[str]) -> None:
+    assert expand(text) == hosts
+
+
+def test_expand_matches_scontrol_show_hostnames() -> None:
+    captured = (DATA / "show_hostnames.txt").read_text().split()
+    assert expand("gpu-a[001-003,010],gpu-b7") == captured
+
+
+@pytest.mark.parametrize("bad", ["node[1-", "node[3-1]", "node[a-b]"])
+def test_expand_rejects_malformed(bad: str) -> None:
+    with pytest.raises(UsageError, match=r"not a valid Slurm host list.*expected e\.g\."):
+        expand(bad, source="SLURM_JOB_NODELIST")
+
+
+def test_collect_round_trip() -> None:
+    hosts = ["node1", "node2", "node3", "node7"]
+    assert collect(hosts) == "node[1-3,7]"
+    assert expand(collect(hosts)) == hosts
+
+
+def _env_file(name: str) -> dict[str, str]:
+    lines = (DATA / name).read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if "=" in line)
+
+
+def test_parse_step_env_captured_on_node2() -> None:
+    env = parse_slurm_env(_env_file("step_env_node2.txt"))
+    assert env is not None
+    assert env.nodes == ("node1", "node2", "node3", "node4")
+    assert env.node_id == 1
+    assert env.node_name == "node2"
+    assert env.topology_addr == "spine1.leaf1.node2"
+    assert env.switch_path == ("spine1", "leaf1")
+    assert env.restart_count == 0
+    assert env.job_id.isdigit()
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, None),
+        ({"PATH": "/bin"}, None),
+        (
+            {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_RESTART_COUNT": "2"},
+            {"job_id": "7", "nodes": ("n1", "n2"), "restart_count": 2, "node_id": None},
+        ),
+        (
+            {"SLURM_JOBID": "8", "SLURM_NODELIST": "a1", "SLURM_JOB_END_TIME": "1800000000"},
+            {"job_id": "8", "nodes": ("a1",), "end_time": 1800000000},
+        ),
+        (
+            {"SLURM_JOB_ID": "9", "SLURM_NODEID": "x"},
+            {"job_id": "9", "nodes": (), "node_id": None},
+        ),
+    ],
+)
+def test_parse_slurm_env_table(env: dict[str, str], expected: dict | None) -> None:
+    parsed = parse_slurm_env(env)
+    if expected is None:
+        assert parsed is None
+        return
+    assert parsed is not None
+    for key, value in expected.items():
+        assert getattr(parsed, key) == value
+
+
+def test_parse_show_node_idle() -> None:
+    fields = parse_oneliner((DATA / "show_node_idle.txt").read_text())
+    assert fields["NodeName"] == "node1"
+    assert fields["NodeAddr"] == "10.77.0.1"
+    assert fields["OS"].startswith("Linux 6.")  # a value with spaces
+    assert node_state(fields) == ("IDLE", frozenset())
+
+
+def test_parse_show_node_drained_reason_with_spaces() -> None:
+    fields = parse_oneliner((DATA / "show_node_drained.txt").read_text())
+    assert node_state(fields) == ("IDLE", frozenset({"DRAIN"}))
+    assert fields["Reason"].startswith("dlrover-hpc: test job 2 [root@")
+
+
+def test_parse_show_job() -> None:
+    fields = parse_oneliner((DATA / "show_job_completed.txt").read_text())
+    assert fields["JobState"] == "COMPLETED"
+    assert expand(fields["NodeList"]) == ["node1", "node2", "node3", "node4"]
+    assert fields["Restarts"] == "0"
+    assert fields["AllocNode:Sid"] == "localhost:1102"
+
+
+def test_parse_sinfo_nodes() -> None:
+    assert parse_sinfo_nodes("node1 idle\nnode2 drain\n\nnode3 down*\n") == {
+        "node1": "idle",
+        "node2": "drain",
+        "node3": "down*",
+    }
+
+
+def _runner(returncode: int, stdout: str = "", stderr: str = ""):  # type: ignore[no-untyped-def]
+    calls: list[list[str]] = []
+
+    def run(argv, *, timeout_s):  # type: ignore[no-untyped-def]
+        calls.append(list(argv))
+        return commands.Completed(
+            argv=tuple(argv), returncode=returncode, stdout=stdout, stderr=stderr
+        )
+
+    return run, calls
+
+
+def test_drain_refused_gives_admin_command() -> None:
+    refused = (DATA / "drain_refused.txt").read_text()
+    run, calls = _runner(1, stderr=refused)
+    result = commands.drain_node("node3", reason="dlrover-hpc: link down job 12", run=run)
+    assert not result.ok
+    assert result.error == "slurm_update error: Invalid user id"
+    assert result.admin_command == (
+        "scontrol update NodeName=node3 State=DRAIN 'Reason=dlrover-hpc: link down job 12'"
+    )
+    assert calls == [
+        [
+            "scontrol",
+            "update",
+            "NodeName=node3",
+            "State=DRAIN",
+            "Reason=dlrover-hpc: link down job 12",
+        ]
+    ]
+
+
+def test_job_nodes_uses_squeue() -> None:
+    run, calls = _runner(0, stdout="node[1-2,4]\n")
+    assert commands.job_nodes("12", run=run) == ["node1", "node2", "node4"]
+    assert calls == [["squeue", "-h", "-j", "12", "-o", "%N"]]
+
+
+def test_parse_show_node_reason_holding_key_value_words() -> None:
+    line = (
+        (DATA / "show_node_drained.txt")
+        .read_text()
+        .replace(
+            "Reason=dlrover-hpc: test job 2", "Reason=dlrover-hpc: Xid 79, pid=4242, gpu=0 job 2"
+        )
+    )
+    fields = parse_oneliner(line, free_text_last="Reason")
+    assert fields["Reason"].startswith("dlrover-hpc: Xid 79, pid=4242, gpu=0 job 2 [")
