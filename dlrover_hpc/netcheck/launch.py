@@ -70,6 +70,8 @@ def run_probe_subprocess(
         f"--store-host={store_host}",
         f"--store-port={store_port}",
         f"--timeout-s={child_timeout_s:.3f}",
+        # Its deadline counts from now, not from after its `import torch` (slow on a busy node).
+        f"--not-after={time.time() + child_timeout_s:.3f}",
         f"--prefix={prefix}",
         f"--payload-bytes={payload_bytes}",
     ]

@@ -148,6 +148,14 @@ def run_probe(
     )
 
 
+def _budget(timeout_s: float, not_after: float | None) -> float:
+    """The probe's time: ``timeout_s``, cut to what is left before ``not_after`` (the parent
+    counts from its own start); a short minimum still lets it report why it failed."""
+    if not_after is None:
+        return timeout_s
+    return max(0.3, min(timeout_s, not_after - time.time()))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m dlrover_hpc.netcheck.probe`: run one probe, print the result, exit 0 if ok."""
     parser = argparse.ArgumentParser(
@@ -160,6 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--store-host", required=True, help="address of group rank 0's store")
     parser.add_argument("--store-port", type=int, required=True)
     parser.add_argument("--timeout-s", type=float, required=True)
+    parser.add_argument(
+        "--not-after", type=float, default=None, help="Unix time by which to report, at the latest"
+    )
     parser.add_argument("--store-host-side", action="store_true", help="host the TCPStore here")
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="store key prefix of this probe")
     parser.add_argument("--payload-bytes", type=int, default=DEFAULT_PAYLOAD_BYTES)
@@ -174,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             group_size=args.group_size,
             store_host=args.store_host,
             store_port=args.store_port,
-            timeout_s=args.timeout_s,
+            timeout_s=_budget(args.timeout_s, args.not_after),
             is_store_host=args.store_host_side,
             prefix=args.prefix,
             payload_bytes=args.payload_bytes,
