@@ -7,6 +7,7 @@ them as they are.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from enum import Enum
@@ -100,6 +101,22 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
     return out
 
 
+#: ``--link-timeout``: seconds of silence on the agent <-> master connection (TCP keepalive and
+#: TCP_USER_TIMEOUT) before it fails.  A cut link's detection (goal: 5 s) is this plus up to
+#: 0.5 s of kernel timer slack and the master's 0.5 s liveness tick (a timed-out link gets no
+#: reconnect grace): 3.8 s measured by benchmarks/link_loss.py.
+DEFAULT_LINK_TIMEOUT_S = 3.0
+
+
+def check_link_timeout(value: float) -> None:
+    """``--link-timeout``: a positive, finite number of seconds."""
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(
+            f"--link-timeout={value:g}: must be a positive number of seconds, e.g. "
+            f"--link-timeout={DEFAULT_LINK_TIMEOUT_S:g}"
+        )
+
+
 def env_default(name: str, default: str | None, env: Mapping[str, str] | None = None) -> str | None:
     """Default of a flag from ``DLROVER_HPC_<NAME>`` (flags win over the environment)."""
     env = os.environ if env is None else env
@@ -123,6 +140,7 @@ class MasterConfig:
     rendezvous_timeout_s: float = 600.0
     min_nodes_timeout_s: float = 300.0
     netcheck_timeout_s: float = 30.0
+    link_timeout_s: float = DEFAULT_LINK_TIMEOUT_S  # a silent agent connection fails after this
     replacement_sbatch: str | None = None  # template of replacement jobs; None: no replacements
     requeue: bool = True  # below MIN nodes for min_nodes_timeout_s: scontrol requeue (Slurm)
 
@@ -143,6 +161,7 @@ class MasterConfig:
                 f"heartbeat interval {self.heartbeat_interval_s} s must be shorter than the "
                 f"heartbeat timeout {self.heartbeat_timeout_s} s"
             )
+        check_link_timeout(self.link_timeout_s)
 
 
 def _check_std_streams(flag: str, value: str) -> None:
@@ -182,6 +201,7 @@ class RunConfig:
     rdzv_conf: dict[str, str]
     training_script: str
     training_script_args: tuple[str, ...]
+    link_timeout_s: float = DEFAULT_LINK_TIMEOUT_S  # a silent master connection fails after this
 
     def __post_init__(self) -> None:
         nnodes = self.nnodes
@@ -224,3 +244,4 @@ class RunConfig:
             raise ConfigError("no training script; give it after the flags, e.g. train.py")
         _check_std_streams("--redirects", self.redirects)
         _check_std_streams("--tee", self.tee)
+        check_link_timeout(self.link_timeout_s)

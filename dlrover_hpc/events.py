@@ -24,6 +24,7 @@ class EventName(StrEnum):
     NODE_DRAINED = "node_drained"
     NODE_QUARANTINED = "node_quarantined"
     REPLACEMENT_REQUESTED = "replacement_requested"
+    REPLACEMENT_FAILED = "replacement_failed"
     JOB_REQUEUED = "job_requeued"
     # Checkpoints (training processes and the agents' savers).
     CHECKPOINT_SAVED = "checkpoint_saved"

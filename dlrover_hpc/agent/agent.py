@@ -65,7 +65,9 @@ class Agent:
     # -------------------------------------------------------------- setup
     async def _connect(self) -> None:
         host, port = self.master
-        self.client = await MasterClient.connect(host, port, token=self._token)
+        self.client = await MasterClient.connect(
+            host, port, token=self._token, link_timeout_s=self.config.link_timeout_s
+        )
         slurm = parse_slurm_env(os.environ)
         reply = await self.client.request(
             m.Join(

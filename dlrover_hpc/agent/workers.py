@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResult
 
-from dlrover_hpc.agent.zygote import Zygote
+from dlrover_hpc.agent.zygote import Zygote, exec_args
 from dlrover_hpc.config import RunConfig
 from dlrover_hpc.protocol.messages import Assignment
 
@@ -94,17 +94,19 @@ class WorkerGroup:
 
     def start(self, assignment: Assignment, extra_env: Mapping[str, str]) -> dict[int, int]:
         cfg = self.config
-        if cfg.no_python:
-            entrypoint: str = cfg.training_script
-            prefix: tuple[str, ...] = ()
-        else:
-            entrypoint = sys.executable
-            prefix = ("-u", "-m") if cfg.module else ("-u",)
         argv = [cfg.training_script, *cfg.training_script_args]
         if self._zygote is not None and not cfg.no_python and self._zygote.ready(0.0):
             # Forked from a pre-warmed interpreter: no Python start-up, no `import torch`.
-            prefix, argv = self._zygote.client_args(argv, module=cfg.module), []
-        args = {lr: (*prefix, *argv) for lr in range(cfg.nproc_per_node)}
+            worker_args = self._zygote.client_args(argv, module=cfg.module)
+        else:
+            if cfg.no_python:
+                python: tuple[str, ...] = ()
+            else:
+                python = (sys.executable, "-u", "-m") if cfg.module else (sys.executable, "-u")
+            worker_args = exec_args([*python, *argv])  # a shim that execs it
+        # Both set the workers to die with this process, as this thread's children: this is
+        # the event loop's thread, which lives as long as the agent (zygote.die_with_parent).
+        args = {lr: worker_args for lr in range(cfg.nproc_per_node)}
         envs = {
             lr: worker_env(cfg, assignment, local_rank=lr, extra=extra_env)
             for lr in range(cfg.nproc_per_node)
@@ -131,7 +133,7 @@ class WorkerGroup:
         prefixes = {lr: f"[rank{assignment.rank_offset + lr}]:" for lr in range(cfg.nproc_per_node)}
         self._ctx = start_processes(
             name=f"dlrover-hpc-{cfg.role}",
-            entrypoint=entrypoint,
+            entrypoint=sys.executable,
             args=args,
             envs=envs,
             logs_specs=logs,

@@ -12,12 +12,18 @@ client dies, the zygote kills the child.  If the zygote is not available, the cl
 executes ``python <script>`` itself.
 
 The zygote is single-threaded (fork is safe) and never runs torch code itself.
+
+Nothing outlives the agent, even a SIGKILLed one (``die_with_parent``): the zygote gets SIGTERM
+when the agent dies (and also notices it on its own), then SIGKILLs its children; the clients,
+and the workers the agent starts without the zygote (``exec_args``), get SIGKILL; the zygote's
+children get SIGKILL when the zygote dies.
 """
 
 from __future__ import annotations
 
 import array
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -27,6 +33,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -40,10 +47,51 @@ _FORWARDED = (
     signal.SIGUSR1,
     signal.SIGUSR2,
 )
+_PR_SET_PDEATHSIG = 1
+
+
+# ------------------------------------------------------------- no orphans
+def die_with_parent(parent_pid: int, sig: signal.Signals) -> None:
+    """Have the kernel send ``sig`` to this process when ``parent_pid`` (its parent) dies.
+
+    Linux sends it when the *thread* that forked this process ends, so the parent must start
+    it from a thread that lives as long as the parent does: the agent starts the zygote and
+    the workers from its main thread (the event loop's), the zygote has only one thread.  A
+    parent that died before this call sends nothing, so the parent's pid is checked after.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
+    if os.getppid() != parent_pid:  # already re-parented: the parent is gone
+        os.kill(os.getpid(), sig)
+
+
+def exec_args(command: Sequence[str]) -> tuple[str, ...]:
+    """Arguments for ``python`` that run ``command`` (PATH searched) in the same process, set
+    to die with the calling process: the path for workers that the zygote does not fork."""
+    return ("-m", "dlrover_hpc.agent.zygote", "exec", str(os.getpid()), *command)
+
+
+def _exec(parent_pid: int, command: list[str]) -> None:
+    die_with_parent(parent_pid, signal.SIGKILL)  # kept across execve
+    try:
+        os.execvp(command[0], command)
+    except OSError as exc:
+        print(f"dlrover-run: cannot run {command[0]}: {exc.strerror}", file=sys.stderr)
+        sys.exit(126 if isinstance(exc, PermissionError) else 127)
 
 
 # ---------------------------------------------------------------- the zygote (server)
-def serve(socket_path: str, *, preload: tuple[str, ...] = ("torch", "torch.distributed")) -> None:
+def serve(
+    socket_path: str,
+    *,
+    parent_pid: int,
+    preload: tuple[str, ...] = ("torch", "torch.distributed"),
+) -> None:
+    # SIGTERM, as from Zygote.stop: the loop below ends and kills the children.
+    die_with_parent(parent_pid, signal.SIGTERM)
     for name in preload:
         __import__(name)
     with contextlib.suppress(FileNotFoundError):
@@ -74,6 +122,9 @@ def serve(socket_path: str, *, preload: tuple[str, ...] = ("torch", "torch.distr
     signal.signal(signal.SIGINT, _stop)
     try:
         while not stop:
+            if os.getppid() != parent_pid:  # the agent died (PR_SET_PDEATHSIG's fallback)
+                log.warning("zygote: the agent (pid %d) is gone; stopping", parent_pid)
+                break
             conns = list(children.values())
             with contextlib.suppress(InterruptedError):
                 ready, _, _ = select.select([listener, *conns], [], [], 0.05)
@@ -114,13 +165,14 @@ def _accept(listener: socket.socket, children: dict[int, socket.socket]) -> None
         log.warning("zygote request refused: %s", exc)
         conn.close()
         return
+    zygote_pid = os.getpid()
     pid = os.fork()
     if pid == 0:  # the worker
         conn.close()
         listener.close()
         for other in children.values():
             other.close()
-        _become_worker(request, fds)  # never returns
+        _become_worker(request, fds, zygote_pid=zygote_pid)  # never returns
     for fd in fds:
         os.close(fd)
     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
@@ -144,9 +196,10 @@ def _reap(children: dict[int, socket.socket]) -> None:
         conn.close()
 
 
-def _become_worker(request: dict, fds: list[int]) -> None:
+def _become_worker(request: dict, fds: list[int], *, zygote_pid: int) -> None:
     code = 1
     try:
+        die_with_parent(zygote_pid, signal.SIGKILL)
         os.setsid()
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
@@ -201,8 +254,11 @@ def _run_main(argv: list[str], *, module: bool) -> int:
 
 
 # ------------------------------------------------------------------- the client (worker)
-def client(socket_path: str, argv: list[str], *, module: bool) -> None:
-    """Run ``argv`` in a child of the zygote and mirror it; fall back to exec."""
+def client(socket_path: str, argv: list[str], *, module: bool, parent_pid: int) -> None:
+    """Run ``argv`` in a child of the zygote and mirror it; fall back to exec.
+
+    Dies with ``parent_pid`` (the agent); the zygote then kills the child."""
+    die_with_parent(parent_pid, signal.SIGKILL)
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(socket_path)
@@ -251,7 +307,14 @@ class Zygote:
 
     def start(self, env: dict[str, str]) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "dlrover_hpc.agent.zygote", "serve", self.socket_path],
+            [
+                sys.executable,
+                "-m",
+                "dlrover_hpc.agent.zygote",
+                "serve",
+                self.socket_path,
+                str(os.getpid()),
+            ],
             env=env,
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
@@ -279,6 +342,7 @@ class Zygote:
             "dlrover_hpc.agent.zygote",
             "client",
             self.socket_path,
+            str(os.getpid()),
             "--module" if module else "--script",
             *argv,
         )
@@ -297,14 +361,16 @@ class Zygote:
 
 
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["serve"]:
-        serve(argv[1])
-    elif argv[:1] == ["client"]:
-        client(argv[1], argv[3:], module=argv[2] == "--module")
+    if argv[:1] == ["serve"] and len(argv) == 3:
+        serve(argv[1], parent_pid=int(argv[2]))
+    elif argv[:1] == ["client"] and len(argv) >= 5:
+        client(argv[1], argv[4:], module=argv[3] == "--module", parent_pid=int(argv[2]))
+    elif argv[:1] == ["exec"] and len(argv) >= 3:
+        _exec(int(argv[1]), argv[2:])
     else:
         sys.exit(
-            "usage: python -m dlrover_hpc.agent.zygote serve SOCKET | client SOCKET "
-            "--script|--module ARGV..."
+            "usage: python -m dlrover_hpc.agent.zygote serve SOCKET PARENT_PID | "
+            "client SOCKET PARENT_PID --script|--module ARGV... | exec PARENT_PID COMMAND..."
         )
 
 

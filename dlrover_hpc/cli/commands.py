@@ -9,7 +9,13 @@ import os
 import socket
 
 from dlrover_hpc import topology
-from dlrover_hpc.config import DrainMode, MasterConfig, NodeRange, env_default
+from dlrover_hpc.config import (
+    DEFAULT_LINK_TIMEOUT_S,
+    DrainMode,
+    MasterConfig,
+    NodeRange,
+    env_default,
+)
 from dlrover_hpc.errors import ConfigError, DlroverHpcError, UsageError
 from dlrover_hpc.jobdir import default_job_dir
 
@@ -74,6 +80,14 @@ def register_master(sub: argparse._SubParsersAction) -> None:
         help="seconds without a heartbeat before an agent counts as lost",
     )
     p.add_argument(
+        "--link-timeout",
+        type=float,
+        default=env_default("link_timeout", f"{DEFAULT_LINK_TIMEOUT_S:g}"),
+        help="seconds of silence before an agent's connection fails (TCP keepalive and "
+        "TCP_USER_TIMEOUT), so a node whose link is cut is lost within seconds, not after "
+        f"--heartbeat-timeout (default {DEFAULT_LINK_TIMEOUT_S:g})",
+    )
+    p.add_argument(
         "--last-call",
         type=float,
         default=env_default("last_call", "3") or "3",
@@ -123,6 +137,7 @@ def master_config(args: argparse.Namespace) -> MasterConfig:
         job_id=os.environ.get("SLURM_JOB_ID", "standalone"),
         max_restarts=args.max_restarts,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        link_timeout_s=args.link_timeout,
         last_call_s=args.last_call,
         netcheck_timeout_s=args.netcheck_timeout,
         replacement_sbatch=None

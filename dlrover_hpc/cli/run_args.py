@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from dlrover_hpc.cli.parser import Parser
 from dlrover_hpc.config import (
+    DEFAULT_LINK_TIMEOUT_S,
     NodeRange,
     RunConfig,
     env_default,
@@ -224,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="admit nodes only in multiples of N (default 1)",
     )
     d.add_argument(
+        "--link-timeout",
+        type=float,
+        default=env_default("link_timeout", f"{DEFAULT_LINK_TIMEOUT_S:g}"),
+        help="seconds of silence before the connection to the master fails (TCP keepalive "
+        f"and TCP_USER_TIMEOUT; default {DEFAULT_LINK_TIMEOUT_S:g})",
+    )
+    d.add_argument(
         "--job-dir",
         default=env_default("job_dir", None),
         help="job directory (default $SLURM_SUBMIT_DIR/.dlrover-hpc/$SLURM_JOB_ID)",
@@ -267,6 +275,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         rdzv_conf=parse_rdzv_conf(args.rdzv_conf),
         training_script=args.training_script,
         training_script_args=tuple(args.training_script_args),
+        link_timeout_s=args.link_timeout,
     )
 
 

@@ -26,6 +26,7 @@ class FailureKind(enum.Enum):
     SOFTWARE = "software"  # restart the worker processes on the same node
     HARDWARE = "hardware"  # the node is faulty: drain or quarantine it, bring a replacement
     NODE_LOST = "node_lost"  # the node stopped answering: replace it
+    PEER = "peer"  # only lost its connection to a peer that failed first: not its own fault
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,6 +123,14 @@ LINE_RULES: tuple[LineRule, ...] = (
         _HW,
         r"Cuda failure\b",
         "NCCL hit a CUDA failure on this node's GPU",
+    ),
+    _rule(
+        "peer_lost",
+        FailureKind.PEER,
+        # gloo: "Connection closed by peer [addr]:port. This is typically caused by a remote
+        # worker crashing"; NCCL: "remote process exited or there was a network error".
+        r"Connection (?:closed|reset) by peer|remote process exited or there was a network error",
+        "a peer rank's connection closed: another worker or node failed first",
     ),
 )
 

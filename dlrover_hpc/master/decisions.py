@@ -18,6 +18,10 @@ from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.rendezvous.state import Decision, DecisionKind, RdzvParams, usable_count
 
 HARDWARE = "hardware"  # the agent's classification of a worker failure that drains its node
+PEER = "peer"  # ... of one that only lost a peer: a symptom, charged only if no node was lost
+#: How long a peer-lost failure waits for the membership change that would explain it: the
+#: disconnect grace plus the keepalive detection of a cut link, with margin.
+PEER_GRACE_S = 10.0
 
 
 # ------------------------------------------------------------------------- actions
@@ -38,6 +42,13 @@ class Finish:
 @dataclasses.dataclass(frozen=True, slots=True)
 class CountRestart:
     """Charge one restart to ``--max-restarts`` (journaled)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChargeLater:
+    """Charge one restart after :data:`PEER_GRACE_S` unless a node is lost or excluded first."""
+
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -99,6 +110,7 @@ Action = (
     OpenRound
     | Finish
     | CountRestart
+    | ChargeLater
     | Exclude
     | RemoveNode
     | MarkLost
@@ -133,7 +145,9 @@ def worker_failed(
     A hardware fault excludes the node even when a peer's failure already opened the next
     round (a dying rank often takes its peers down first).  The running round is charged
     once: a report of an older round, or one whose node's exclusion already re-forms the
-    round (a membership change), spends no restart.
+    round (a membership change), spends no restart.  A worker that only lost a peer
+    (``peer``) restarts at once; its restart is charged after :data:`PEER_GRACE_S` unless a
+    node is lost or excluded meanwhile (then the failure was the membership change's).
     """
     actions: list[Action] = []
     hardware = msg.classification == HARDWARE and drain is not DrainMode.OFF
@@ -142,14 +156,24 @@ def worker_failed(
         actions += [Exclude(node, reason), RemoveNode(node, reason)]
     if msg.round != round or phase is not Phase.RUNNING or (hardware and node_active):
         return actions
-    actions.append(CountRestart())
+    reason = f"worker {msg.rank} on {node} failed"
+    if msg.classification == PEER:  # restart now; whether it costs a restart is known later
+        return [*actions, OpenRound(Phase.RESTARTING, reason), ChargeLater(reason)]
+    return [
+        *actions,
+        *charge(restart_count=restart_count, max_restarts=max_restarts, reason=reason),
+    ]
+
+
+def charge(*, restart_count: int, max_restarts: int, reason: str = "") -> list[Action]:
+    """One restart of the workers' own making: spend it, or fail when none is left.
+
+    With ``reason`` the round is re-formed as well (a fresh failure); without, it already was
+    (a peer-lost failure whose grace ran out with no membership change to explain it)."""
     if restart_count + 1 > max_restarts:
-        actions.append(
-            Finish(1, f"worker failed and the job's {max_restarts} restarts are used up")
-        )
-    else:
-        actions.append(OpenRound(Phase.RESTARTING, f"worker {msg.rank} on {node} failed"))
-    return actions
+        used = f"worker failed and the job's {max_restarts} restarts are used up"
+        return [CountRestart(), Finish(1, used)]
+    return [CountRestart(), *([OpenRound(Phase.RESTARTING, reason)] if reason else [])]
 
 
 def workers_succeeded(phase: Phase, participants: Sequence[NodeRecord]) -> list[Action]:
@@ -176,18 +200,20 @@ def node_lost(phase: Phase, round: int, rec: NodeRecord, reason: str) -> list[Ac
 def lost_agents(
     records: Iterable[NodeRecord], *, now: float, heartbeat_timeout_s: float
 ) -> list[Action]:
-    """Agents silent for longer than the heartbeat timeout, or disconnected for a grace."""
+    """Agents silent for longer than the heartbeat timeout, or disconnected for a grace (a
+    closed connection may be an agent about to reconnect); a link that timed out was already
+    silent for the link timeout, so it gets no grace."""
     grace = min(heartbeat_timeout_s, 3.0)
     actions: list[Action] = []
     for rec in records:
         if rec.state in (NodeState.LOST, NodeState.EXCLUDED, NodeState.DONE):
             continue
         silent = now - rec.last_seen > heartbeat_timeout_s
+        cut = rec.disconnected_at is not None and rec.link_timed_out
         gone = rec.disconnected_at is not None and now - rec.disconnected_at > grace
-        if silent or gone:
-            actions.append(
-                MarkLost(rec.agent_id, "no heartbeat" if silent else "connection closed")
-            )
+        if silent or cut or gone:
+            why = "no heartbeat" if silent else "link timed out" if cut else "connection closed"
+            actions.append(MarkLost(rec.agent_id, why))
     return actions
 
 
@@ -207,9 +233,21 @@ class Capacity:
     losses: int = 0  # nodes lost or excluded so far
     replaced: int = 0  # ... for which replacements were requested
     below_min_since: float | None = None
+    failures: int = 0  # replacement requests Slurm refused since capacity was last full
+    retry_at: float = 0.0  # no request before this time (back-off after a refusal)
 
     def lost(self, count: int = 1) -> Capacity:
         return dataclasses.replace(self, losses=self.losses + count)
+
+
+#: Back-off between refused replacement requests: 5, 10, 20, 40, 60, 60 ... seconds.
+RETRY_FIRST_S, RETRY_MAX_S = 5.0, 60.0
+
+
+def replacement_count(alive: int, failures: int, params: RdzvParams) -> int:
+    """Nodes to ask for: up to MAX, one fewer per refusal, never fewer than MIN needs."""
+    need = max(0, params.min_nodes - alive)
+    return max(need, params.max_nodes - alive - failures)
 
 
 def capacity(
@@ -226,18 +264,25 @@ def capacity(
 ) -> tuple[Capacity, list[Action]]:
     """After hot spares: ask for a replacement job; below MIN for too long: requeue.
 
-    The caller runs it only once its process completed a rendezvous: a master resumed from
-    its journal waits for its agents to reach it, as a fresh one does.
+    A replacement avoids only the nodes that are faulty (excluded: drained, quarantined, failed
+    the network check) and those this job's agents hold now; the executor adds the job's own
+    allocation.  Avoiding every node ever held is what makes Slurm answer "Requested node
+    configuration is not available".  The caller runs it only once its process completed a
+    rendezvous: a master resumed from its journal waits for its agents, as a fresh one does.
     """
     if phase in (Phase.FINISHED, Phase.FAILED):
         return cap, []
     actions: list[Action] = []
     alive = sum(1 for n in records if n.state in USABLE)
-    if cap.losses > cap.replaced and alive < params.max_nodes and can_replace:
+    if alive >= params.max_nodes and cap.failures:
+        cap = dataclasses.replace(cap, failures=0, retry_at=0.0)  # full again: start afresh
+    wanted = cap.losses > cap.replaced and alive < params.max_nodes
+    if wanted and can_replace and now >= cap.retry_at:
         cap = dataclasses.replace(cap, replaced=cap.losses)
-        # Not on a node this job holds or has given up: Slurm shares nodes by default.
-        avoid = {n.node for n in records} | set(excluded_nodes)
-        actions.append(RequestReplacement(params.max_nodes - alive, tuple(sorted(avoid))))
+        count = replacement_count(alive, cap.failures, params)
+        held = {n.node for n in records if n.state in USABLE}
+        if count > 0:
+            actions.append(RequestReplacement(count, tuple(sorted(held | set(excluded_nodes)))))
     if alive >= params.min_nodes:
         return dataclasses.replace(cap, below_min_since=None), actions
     if cap.below_min_since is None:
@@ -249,6 +294,24 @@ def capacity(
         reason = f"fewer than {params.min_nodes} nodes for {waited:.0f} s"
         actions += [Requeue(reason), Finish(1, f"requeued: {reason}")]
     return cap, actions
+
+
+def replacement_failed(
+    cap: Capacity, *, alive: int, params: RdzvParams, now: float
+) -> tuple[Capacity, str]:
+    """Slurm refused a replacement request: back off, then ask for one node fewer, down to
+    what MIN needs; at or above MIN with nothing left to ask for, go on with the nodes there
+    are.  Returns the new state and the next action, for the ``replacement_failed`` event."""
+    failures = cap.failures + 1
+    backoff = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (failures - 1))
+    count = replacement_count(alive, failures, params)
+    if count == 0:
+        cap = dataclasses.replace(cap, failures=failures, replaced=cap.losses)
+        return cap, f"no retry: go on with {alive} node(s), at least MIN {params.min_nodes}"
+    cap = dataclasses.replace(
+        cap, failures=failures, retry_at=now + backoff, replaced=min(cap.replaced, cap.losses - 1)
+    )
+    return cap, f"retry in {backoff:.0f} s for {count} node(s)"
 
 
 def form_round(decision: Decision, *, params: RdzvParams, needs_netcheck: bool) -> list[Action]:

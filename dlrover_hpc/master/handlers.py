@@ -92,7 +92,7 @@ class AgentHandlers:
     def heartbeat(self, msg: m.Heartbeat) -> m.HeartbeatReply:
         rec = self.job.record_of(msg.agent_id)
         rec.last_seen = self.job.clock()
-        rec.disconnected_at = None
+        rec.disconnected_at, rec.link_timed_out = None, False
         return m.HeartbeatReply(round=self.job.round, finished=self.job.ended)
 
     def workers_started(self, msg: m.WorkersStarted) -> m.Ack:
@@ -162,10 +162,12 @@ class AgentHandlers:
         )
 
     # -------------------------------------------------------------- timers
-    def disconnected(self, agent_id: str) -> None:
+    def disconnected(self, agent_id: str, *, link_timed_out: bool = False) -> None:
+        """The agent's connection ended; ``link_timed_out``: TCP gave up on a silent link."""
         rec = self.job.nodes.get(agent_id)
         if rec is not None and rec.state not in (NodeState.LOST, NodeState.EXCLUDED):
             rec.disconnected_at = self.job.clock()
+            rec.link_timed_out = link_timed_out
             self.job.poke()
 
     def check_liveness(self) -> None:
@@ -176,3 +178,30 @@ class AgentHandlers:
                 heartbeat_timeout_s=self.job.config.heartbeat_timeout_s,
             )
         )
+
+    def check_capacity(self) -> None:
+        """Replacements and requeue; only once this process completed a rendezvous."""
+        if self.job.rounds_here == 0:
+            return
+        self.job.capacity, actions = d.capacity(
+            self.job.capacity,
+            phase=self.job.phase,
+            records=list(self.job.nodes.values()),
+            excluded_nodes=self.job.excluded_nodes,
+            params=self.job.params,
+            now=self.job.clock(),
+            min_nodes_timeout_s=self.job.config.min_nodes_timeout_s,
+            can_replace=self.job.can_replace,
+            can_requeue=self.job.can_requeue,
+        )
+        self.job.apply(actions)
+
+    def replacement_failed(self, count: int, reason: str) -> None:
+        """Slurm refused a replacement request for ``count`` nodes (on the loop's thread)."""
+        alive = sum(1 for n in self.job.nodes.values() if n.state in d.USABLE)
+        self.job.capacity, next_action = d.replacement_failed(
+            self.job.capacity, alive=alive, params=self.job.params, now=self.job.clock()
+        )
+        log.warning("replacement refused count=%d reason=%s next=%s", count, reason, next_action)
+        self.job.emit(EventName.REPLACEMENT_FAILED, count=count, reason=reason, next=next_action)
+        self.job.poke()

@@ -72,9 +72,11 @@ class Job:
         self._journal = journal
         self._remove_node = remove_node
         self._request_replacement, self._requeue = request_replacement, requeue
-        self._capacity = d.Capacity()
+        self.can_replace, self.can_requeue = request_replacement is not None, requeue is not None
+        self.capacity = d.Capacity()
+        self._pending_charge: tuple[float, str] | None = None  # (deadline, reason)
         #: rounds completed by this master process (a resumed one starts at 0, round does not)
-        self._rounds_here = 0
+        self.rounds_here = 0
         self.nodes: dict[str, NodeRecord] = {}
         self.phase = Phase.WAITING
         self._forming = Phase.WAITING  # the forming phase a network check returns to
@@ -171,23 +173,6 @@ class Job:
             nodes=node_rows(self.nodes.values()),
         )
 
-    def check_capacity(self) -> None:
-        """Replacements and requeue; only once this process completed a rendezvous."""
-        if self._rounds_here == 0:
-            return
-        self._capacity, actions = d.capacity(
-            self._capacity,
-            phase=self.phase,
-            records=list(self.nodes.values()),
-            excluded_nodes=self.excluded_nodes,
-            params=self.params,
-            now=self.clock(),
-            min_nodes_timeout_s=self.config.min_nodes_timeout_s,
-            can_replace=self._request_replacement is not None,
-            can_requeue=self._requeue is not None,
-        )
-        self.apply(actions)
-
     # ------------------------------------------------------------ executor
     def apply(self, actions: Sequence[d.Action]) -> float | None:
         """Perform ``actions`` in order; returns the wake-up time of a WakeAt or StartNetcheck."""
@@ -201,6 +186,9 @@ class Job:
                 case d.CountRestart():
                     self.restart_count += 1
                     self._record(restart_count=self.restart_count)
+                case d.ChargeLater(reason):
+                    if self._pending_charge is None:
+                        self._pending_charge = (self.clock() + d.PEER_GRACE_S, reason)
                 case d.Exclude(node, reason):
                     self.exclude(node, reason)
                 case d.RemoveNode(node, reason):
@@ -236,7 +224,8 @@ class Job:
     def _lose(self, rec: NodeRecord, reason: str) -> None:
         actions = d.node_lost(self.phase, self.round, rec, reason)
         rec.state = NodeState.LOST
-        self._capacity = self._capacity.lost()
+        self.capacity = self.capacity.lost()
+        self._membership_changed()
         if rec.waiter is not None and not rec.waiter.done():
             rec.waiter.cancel()
         log.warning("node lost node=%s agent=%s reason=%s", rec.node, rec.agent_id, reason)
@@ -244,8 +233,23 @@ class Job:
         self.apply(actions)
         self.poke()
 
+    def _membership_changed(self) -> None:
+        """A node left: a peer-lost failure waiting for its charge was this change's symptom."""
+        if self._pending_charge is not None:
+            log.info("restart not charged: a node left reason=%s", self._pending_charge[1])
+            self._pending_charge = None
+
+    def _settle_charge(self) -> None:
+        if self._pending_charge is not None and self.clock() >= self._pending_charge[0]:
+            reason, self._pending_charge = self._pending_charge[1], None
+            log.info("restart charged: no node left within the grace reason=%s", reason)
+            self.apply(
+                d.charge(restart_count=self.restart_count, max_restarts=self.config.max_restarts)
+            )
+
     def exclude(self, node: str, reason: str) -> None:
         self.excluded_nodes.add(node)
+        self._membership_changed()
         self._record(excluded_nodes=sorted(self.excluded_nodes))
         was_active = False
         for rec in self.nodes.values():
@@ -253,7 +257,7 @@ class Job:
                 continue
             was_active |= rec.state is NodeState.ACTIVE
             if rec.state is not NodeState.LOST:
-                self._capacity = self._capacity.lost()
+                self.capacity = self.capacity.lost()
             rec.state = NodeState.EXCLUDED
             if rec.waiter is not None and not rec.waiter.done():
                 rec.waiter.set_result(m.Assignment(status=m.NodeStatus.EXCLUDED, reason=reason))
@@ -303,6 +307,9 @@ class Job:
         if self._stop_signal:
             self.finish(143, f"the master received {self._stop_signal}")
             return None
+        self._settle_charge()
+        if self.ended:
+            return None
         if self.phase is Phase.RUNNING:
             self.apply(d.scale_up(self.participants(), len(self._waiting()), self.params))
         if self.phase is Phase.NETCHECK:
@@ -340,7 +347,7 @@ class Job:
         previous = {n.agent_id for n in self.participants()}
         first_round = self.round == 0 or not previous
         self.round += 1
-        self._rounds_here += 1
+        self.rounds_here += 1
         ranked = rank_nodes([rank_input(n) for n in chosen], self._topology)
         self._store_port = self._stores.new_store(self.round)
         self.commits.new_generation()

@@ -28,6 +28,7 @@ class NodeRecord:
     joined_at: float = 0.0
     last_seen: float = 0.0
     disconnected_at: float | None = None
+    link_timed_out: bool = False  # the disconnect was TCP giving up on a silent link
     waiter: asyncio.Future[m.Assignment] | None = None
     assignment: m.Assignment | None = None  # of the newest round it was in
     pending: m.Assignment | None = None  # a task for its next WaitRound (network check)

@@ -14,7 +14,6 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
-from dlrover_hpc.errors import SlurmError
 from dlrover_hpc.events import EventName
 from dlrover_hpc.master.journal import EventLog
 from dlrover_hpc.slurm import commands as slurm
@@ -38,16 +37,21 @@ class Replacer:
         self.master_addr, self.events, self._run = master_addr, events, run
         self.submitted: list[str] = []
 
-    def request(self, count: int, exclude: Sequence[str]) -> None:
+    def request(self, count: int, exclude: Sequence[str]) -> str | None:
+        """Submit a replacement job; None when it was submitted (or none is configured), else
+        why Slurm refused it.  Never raises: it runs in a worker thread."""
         try:
-            self._request(count, exclude)
-        except Exception:  # thread boundary
+            return self._request(count, exclude)
+        except Exception as exc:  # thread boundary: the master retries, see replacement_failed
             log.exception("replacement request failed count=%d", count)
+            return f"{type(exc).__name__}: {exc}"
 
-    def _request(self, count: int, exclude: Sequence[str]) -> None:
+    def _request(self, count: int, exclude: Sequence[str]) -> str | None:
         if not self.template:
             log.info("no replacement job: none configured (--replacement-sbatch)")
-            return
+            return None
+        # The nodes this job holds now, lost agents' nodes too (Slurm still counts them ours).
+        avoid = sorted({*exclude, *slurm.job_nodes(self.job_id, run=self._run)})
         argv = [
             "sbatch",
             "--parsable",
@@ -58,18 +62,19 @@ class Replacer:
             f"--export=ALL,DLROVER_HPC_MASTER={self.master_addr},"
             f"DLROVER_HPC_JOB_DIR={self.job_dir},DLROVER_HPC_REPLACES={self.job_id}",
         ]
-        if exclude:
-            argv.append(f"--exclude={collect(sorted(set(exclude)))}")
+        if avoid:
+            argv.append(f"--exclude={collect(avoid)}")
         argv.append(self.template)
         done = self._run(argv, timeout_s=60)
         if done.returncode != 0:
-            raise SlurmError(f"{shlex.join(argv)} failed: {done.stderr.strip()}")
+            reason = sbatch_refusal(done.stderr) or f"sbatch exit code {done.returncode}"
+            log.warning("replacement refused argv=%s reason=%s", shlex.join(argv), reason)
+            return reason
         job = done.stdout.strip().split(";")[0]
         self.submitted.append(job)
-        log.info("replacement job submitted job=%s nodes=%d exclude=%s", job, count, exclude)
-        self.events.emit(
-            EventName.REPLACEMENT_REQUESTED, job=job, count=count, exclude=sorted(exclude)
-        )
+        log.info("replacement job submitted job=%s nodes=%d exclude=%s", job, count, avoid)
+        self.events.emit(EventName.REPLACEMENT_REQUESTED, job=job, count=count, exclude=avoid)
+        return None
 
     def requeue(self, reason: str) -> None:
         try:
@@ -83,3 +88,13 @@ class Replacer:
         """The job is over: replacement jobs still pending or running are not needed."""
         if self.submitted:
             self._run(["scancel", *self.submitted], timeout_s=30)
+
+
+def sbatch_refusal(stderr: str) -> str:
+    """Slurm's reason from sbatch's error output: its last ``error:`` line, without prefixes."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line] or lines
+    if not errors:
+        return ""
+    reason = errors[-1].split("error:", 1)[-1].strip()
+    return reason.removeprefix("Batch job submission failed:").strip()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -25,10 +26,13 @@ from dlrover_hpc.master.policy import NodeRemover
 from dlrover_hpc.master.replace import Replacer
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol import wire
+from dlrover_hpc.protocol.keepalive import set_link_timeout
 
 log = logging.getLogger(__name__)
 
 AUTH_TIMEOUT_S = 10.0
+#: A connection that failed with these saw no answer for the link timeout: no reconnect grace.
+_LINK_ERRNOS = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH})
 TOKEN_ENV = "DLROVER_HPC_TOKEN"
 
 
@@ -104,7 +108,7 @@ class MasterServer:
             events=self.events,
             journal=Journal(job_dir / "journal.jsonl"),
             remove_node=self._remove_node,
-            request_replacement=self._in_thread(self._replacer_request),
+            request_replacement=self._replacer_request,
             requeue=self._in_thread(self._replacer_requeue) if config.requeue else None,
         )
         self.replacer: Replacer | None = None
@@ -138,8 +142,18 @@ class MasterServer:
         return call
 
     def _replacer_request(self, count: int, exclude: list[str]) -> None:
-        if self.replacer is not None:
-            self.replacer.request(count, exclude)
+        """sbatch in a thread; a refusal comes back to the job on the loop's thread."""
+        replacer = self.replacer
+        if replacer is None:
+            return
+        done = asyncio.get_running_loop().run_in_executor(None, replacer.request, count, exclude)
+
+        def refused(fut: asyncio.Future[str | None]) -> None:
+            reason = None if fut.cancelled() else fut.result()
+            if reason:
+                self.agents.replacement_failed(count, reason)
+
+        done.add_done_callback(refused)
 
     def _replacer_requeue(self, reason: str) -> None:
         if self.replacer is not None:
@@ -190,7 +204,10 @@ class MasterServer:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
+        # A cut link sends no FIN: keepalive and TCP_USER_TIMEOUT make it an error in time.
+        set_link_timeout(writer.get_extra_info("socket"), self.config.link_timeout_s, peer=peer)
         agent_ids: set[str] = set()
+        timed_out = False
         try:
             if not await self._authenticate(reader, writer, peer):
                 return
@@ -202,13 +219,15 @@ class MasterServer:
                 task = asyncio.create_task(self._request(frame, writer, agent_ids))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
-        except (ProtocolError, ConnectionError) as exc:
+        except (ProtocolError, OSError) as exc:  # OSError: also ETIMEDOUT, EHOSTUNREACH
             log.warning("connection dropped peer=%s error=%s", peer, exc)
+            # The keepalive / user timeout gave up: the link was silent for --link-timeout.
+            timed_out = isinstance(exc, OSError) and exc.errno in _LINK_ERRNOS
         finally:
             for agent_id in agent_ids:
                 if self._writers.get(agent_id) is writer:
                     del self._writers[agent_id]
-                    self.agents.disconnected(agent_id)
+                    self.agents.disconnected(agent_id, link_timed_out=timed_out)
             writer.close()
 
     async def _authenticate(
@@ -263,14 +282,14 @@ class MasterServer:
             reply = m.ErrorReply(message=f"internal error: {exc}")
         if not writer.is_closing():
             wire.write_frame(writer, m.to_frame(reply, frame_id=frame.id))
-            with contextlib.suppress(ConnectionError):
+            with contextlib.suppress(OSError):  # the connection's reader reports it once
                 await writer.drain()
 
     async def _liveness(self) -> None:
         while True:
             await asyncio.sleep(0.5)
             self.agents.check_liveness()  # O(nodes): on this timer only, not on every change
-            self.job.check_capacity()
+            self.agents.check_capacity()
             self.job.poke()
 
     async def serve(self, linger_s: float = 10.0) -> int:

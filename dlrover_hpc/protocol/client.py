@@ -8,9 +8,11 @@ import itertools
 import logging
 from typing import TypeVar
 
+from dlrover_hpc.config import DEFAULT_LINK_TIMEOUT_S
 from dlrover_hpc.errors import ProtocolError
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol import wire
+from dlrover_hpc.protocol.keepalive import set_link_timeout
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=m.Message)
@@ -29,11 +31,22 @@ class MasterClient:
 
     @classmethod
     async def connect(
-        cls, host: str, port: int, *, token: str, timeout_s: float = 10.0
+        cls,
+        host: str,
+        port: int,
+        *,
+        token: str,
+        timeout_s: float = 10.0,
+        link_timeout_s: float | None = DEFAULT_LINK_TIMEOUT_S,
     ) -> MasterClient:
+        """Connect and authenticate.  ``link_timeout_s``: a master silent for this long (a cut
+        link) fails the connection (TCP keepalive, TCP_USER_TIMEOUT); None leaves the kernel's
+        defaults (then only request timeouts notice it)."""
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(host, port, limit=wire.MAX_FRAME), timeout_s
         )
+        if link_timeout_s is not None:
+            set_link_timeout(writer.get_extra_info("socket"), link_timeout_s, peer=f"{host}:{port}")
         try:
             await wire.client_handshake(reader, writer, token, timeout_s)
         except BaseException:
@@ -55,6 +68,9 @@ class MasterClient:
                     fut.set_result(message)
         except (EOFError, ConnectionError, asyncio.IncompleteReadError):
             pass
+        except OSError as exc:  # ETIMEDOUT, EHOSTUNREACH: the link timeout expired
+            log.warning("connection to the master lost error=%s", exc)
+            error = ConnectionError(f"connection to the master lost: {exc}")
         except ProtocolError as exc:
             log.error("bad frame from the master error=%s", exc)
             error = exc
@@ -71,8 +87,14 @@ class MasterClient:
         frame_id = next(self._ids)
         fut: asyncio.Future[m.Message] = asyncio.get_running_loop().create_future()
         self._pending[frame_id] = fut
-        wire.write_frame(self._writer, m.to_frame(message, frame_id=frame_id))
-        await self._writer.drain()
+        try:
+            wire.write_frame(self._writer, m.to_frame(message, frame_id=frame_id))
+            await self._writer.drain()
+        except OSError as exc:  # ETIMEDOUT, EHOSTUNREACH: callers expect a ConnectionError
+            self._pending.pop(frame_id, None)
+            if isinstance(exc, ConnectionError):
+                raise
+            raise ConnectionError(f"connection to the master lost: {exc}") from exc
         try:
             reply = await asyncio.wait_for(fut, timeout_s)
         except TimeoutError:

@@ -192,6 +192,38 @@ def test_classification_table(evidence: FailureEvidence, kind: FailureKind, rule
     assert (diagnosis.kind, diagnosis.rule) == (kind, rule), diagnosis
 
 
+# Captured from a real gloo all_reduce whose peer rank was SIGKILLed.
+GLOO_PEER_CLOSED = (
+    Path(__file__).parents[1] / "data" / "diagnosis" / "gloo_peer_closed.txt"
+).read_text()
+
+
+@pytest.mark.parametrize(
+    "evidence,kind,rule",
+    [
+        (FailureEvidence(exit_code=1, log_tail=GLOO_PEER_CLOSED), FailureKind.PEER, "peer_lost"),
+        (
+            FailureEvidence(
+                exit_code=1,
+                log_tail="NCCL error: remote process exited or there was a network error",
+            ),
+            FailureKind.PEER,
+            "peer_lost",
+        ),
+        # Killed by a signal itself: its own failure, whatever the log says.
+        (FailureEvidence(signal=signal.SIGKILL, log_tail=GLOO_PEER_CLOSED), SW, "killed"),
+        (FailureEvidence(signal=signal.SIGSEGV, log_tail=GLOO_PEER_CLOSED), SW, "crash_signal"),
+        # A program error of its own outranks the lost peer.
+        (FailureEvidence(exit_code=1, log_tail=CUDA_OOM + "\n" + GLOO_PEER_CLOSED), SW, "cuda_oom"),
+    ],
+)
+def test_a_lost_peer_is_not_the_workers_own_failure(
+    evidence: FailureEvidence, kind: FailureKind, rule: str
+) -> None:
+    diagnosis = classify(evidence)
+    assert (diagnosis.kind, diagnosis.rule) == (kind, rule), diagnosis
+
+
 def test_diagnosis_names_the_deciding_lines_and_facts() -> None:
     diagnosis = classify(
         FailureEvidence(signal=signal.SIGBUS, kernel_lines=(XID_79,), notes=("collector note",))

@@ -95,6 +95,16 @@ USED_UP = d.Finish(1, "worker failed and the job's 2 restarts are used up")
             DrainMode.SCONTROL,
             [d.Exclude("n1", HW), d.RemoveNode("n1", HW), d.CountRestart(), RESTART],
         ),
+        # Only lost a peer: restart now, charge later unless a node turns out lost.
+        (
+            failure(kind="peer"),
+            True,
+            Phase.RUNNING,
+            2,
+            DrainMode.SCONTROL,
+            [RESTART, d.ChargeLater("worker 3 on n1 failed")],
+        ),
+        (failure(kind="peer"), True, Phase.SHRINKING, 0, DrainMode.SCONTROL, []),
         # --drain off: a hardware fault is an ordinary failure.
         (
             failure(kind="hardware"),
@@ -174,6 +184,7 @@ def test_lost_agents_by_silence_or_disconnect() -> None:
         rec("silent", A, last_seen=89.0),  # 11 s > the 10 s timeout
         rec("gone", W, last_seen=99.0, disconnected_at=96.0),  # 4 s > the 3 s grace
         rec("blip", W, last_seen=99.0, disconnected_at=98.0),  # reconnects within the grace
+        rec("cut", A, last_seen=99.0, disconnected_at=99.5, link_timed_out=True),  # no grace
         rec("done", DONE, last_seen=0.0),
         rec("lost", LOST, last_seen=0.0),
         rec("excluded", X, last_seen=0.0),
@@ -181,6 +192,7 @@ def test_lost_agents_by_silence_or_disconnect() -> None:
     assert d.lost_agents(records, now=100.0, heartbeat_timeout_s=10.0) == [
         d.MarkLost("silent-1", "no heartbeat"),
         d.MarkLost("gone-1", "connection closed"),
+        d.MarkLost("cut-1", "link timed out"),
     ]
 
 
@@ -227,14 +239,44 @@ def _capacity(
     )
 
 
-def test_capacity_requests_one_replacement_per_loss_avoiding_held_and_excluded_nodes() -> None:
+def test_capacity_requests_one_replacement_per_loss_avoiding_held_and_faulty_nodes() -> None:
     cap, actions = _capacity(d.Capacity(losses=1), [A, A, A, LOST])
-    avoid = ("bad", "n0", "n1", "n2", "n3")
+    # n3's agent is lost: not avoided (a healthy node may come back); "bad" is faulty.
+    avoid = ("bad", "n0", "n1", "n2")
     assert actions == [d.RequestReplacement(1, avoid)]
     assert cap == d.Capacity(losses=1, replaced=1)
     assert _capacity(cap, [A, A, A, LOST]) == (cap, [])  # asked once per loss
     cap, actions = _capacity(cap.lost(), [A, A, LOST, LOST])
-    assert actions == [d.RequestReplacement(2, avoid)]
+    assert actions == [d.RequestReplacement(2, ("bad", "n0", "n1"))]
+
+
+def test_refused_replacements_back_off_ask_for_fewer_then_go_on_at_min() -> None:
+    running = [A, A, LOST, LOST]  # MIN 2, MAX 4: two short of MAX, at MIN
+    cap, actions = _capacity(d.Capacity(losses=2), running, now=100.0)
+    assert actions == [d.RequestReplacement(2, ("bad", "n0", "n1"))]
+    cap, next_action = d.replacement_failed(cap, alive=2, params=PARAMS, now=100.0)
+    assert next_action == "retry in 5 s for 1 node(s)"
+    assert _capacity(cap, running, now=104.9)[1] == []  # backing off
+    cap, actions = _capacity(cap, running, now=105.0)
+    assert actions == [d.RequestReplacement(1, ("bad", "n0", "n1"))]
+    cap, next_action = d.replacement_failed(cap, alive=2, params=PARAMS, now=105.0)
+    assert next_action == "no retry: go on with 2 node(s), at least MIN 2"
+    assert _capacity(cap, running, now=1e6)[1] == []  # shrunk to MIN: no more requests
+    # A later loss asks again; once the job is back at MAX the refusals are forgotten.
+    cap, actions = _capacity(cap.lost(), [A, LOST, LOST, LOST], phase=Phase.SHRINKING, now=200.0)
+    assert actions[0] == d.RequestReplacement(1, ("bad", "n0"))  # what MIN needs
+    cap, _ = _capacity(cap, [A, A, A, A, LOST, LOST, LOST])
+    assert cap.failures == 0 and cap.retry_at == 0.0
+
+
+def test_refused_replacement_below_min_keeps_asking_for_what_min_needs() -> None:
+    cap = d.Capacity(losses=3, replaced=3)
+    for failures, wait in enumerate((5, 10, 20, 40, 60, 60), start=1):
+        cap, next_action = d.replacement_failed(cap, alive=1, params=PARAMS, now=0.0)
+        count = max(1, 3 - failures)
+        assert next_action == f"retry in {wait} s for {count} node(s)"
+        assert cap.failures == failures and cap.retry_at == wait
+        assert cap.losses > cap.replaced  # asks again once the back-off ends
 
 
 @pytest.mark.parametrize(
@@ -260,10 +302,7 @@ def test_capacity_below_min_replaces_then_requeues_after_the_timeout() -> None:
     below = [W, LOST, LOST, LOST]
     cap, actions = _capacity(d.Capacity(losses=3), below, phase=Phase.SHRINKING, now=100.0)
     assert cap.below_min_since == 100.0
-    assert actions == [
-        d.RequestReplacement(3, ("bad", "n0", "n1", "n2", "n3")),
-        d.EnterPhase(Phase.REPLACING),
-    ]
+    assert actions == [d.RequestReplacement(3, ("bad", "n0")), d.EnterPhase(Phase.REPLACING)]
     cap, actions = _capacity(cap, below, phase=Phase.REPLACING, now=129.0)
     assert actions == [] and cap.below_min_since == 100.0
     cap, actions = _capacity(cap, below, phase=Phase.REPLACING, now=130.0)
@@ -295,3 +334,15 @@ def test_capacity_below_min_replaces_then_requeues_after_the_timeout() -> None:
 )
 def test_form_round(decision: Decision, needs: bool, expected: list[d.Action]) -> None:
     assert d.form_round(decision, params=PARAMS, needs_netcheck=needs) == expected
+
+
+@pytest.mark.parametrize(
+    "restarts,reason,expected",
+    [
+        (0, "", [d.CountRestart()]),
+        (0, "w failed", [d.CountRestart(), d.OpenRound(Phase.RESTARTING, "w failed")]),
+        (2, "", [d.CountRestart(), USED_UP]),
+    ],
+)
+def test_charge(restarts: int, reason: str, expected: list[d.Action]) -> None:
+    assert d.charge(restart_count=restarts, max_restarts=2, reason=reason) == expected

@@ -140,18 +140,7 @@ def test_worker_failure_restarts_the_round_and_charges_once(tmp_path: Path) -> N
         assert h.job.phase is Phase.RUNNING and h.job.round == 2
         assert h.events("workers_restarted")[0]["restart_count"] == 1
         # The second failure exceeds --max-restarts=1: the job fails.
-        h.agents.worker_failed(
-            m.WorkerFailed(
-                agent_id=agents[0],
-                round=2,
-                local_rank=0,
-                rank=0,
-                exit_code=None,
-                signal="SIGSEGV",
-                classification="software",
-                reason="segv",
-            )
-        )
+        h.agents.worker_failed(_failure(agents[0], round=2, kind="software", signal="SIGSEGV"))
         assert h.job.phase is Phase.FAILED and h.job.exit_code == 1
         assert h.events("job_finished")[0]["reason"].endswith("1 restarts are used up")
 
@@ -204,14 +193,16 @@ def test_lost_node_shrinks_replaces_then_requeues_below_min(tmp_path: Path) -> N
         assert h.job.phase is Phase.SHRINKING
         assert [e["node"] for e in h.events("node_lost")] == ["n2"]
         h.rejoin([a])
-        h.job.check_capacity()
-        assert h.replacements == [(1, ["n1", "n2"])]
+        h.agents.check_capacity()
+        # n2's agent is lost: only live agents' nodes (and faulty ones) are avoided here; the
+        # Replacer adds the nodes Slurm still counts as this job's.
+        assert h.replacements == [(1, ["n1"])]
         assert h.job.phase is Phase.REPLACING
         h.clock.now += 29.0
-        h.job.check_capacity()
+        h.agents.check_capacity()
         assert not h.requeued
         h.clock.now += 1.0
-        h.job.check_capacity()
+        h.agents.check_capacity()
         assert h.requeued == ["fewer than 2 nodes for 30 s"]
         assert h.job.phase is Phase.FAILED and h.job.exit_code == 1
 
@@ -227,14 +218,14 @@ def test_replacement_arrives_in_time_and_is_admitted(tmp_path: Path) -> None:
         h.agents.heartbeat(m.Heartbeat(agent_id=a, round=1))
         h.agents.check_liveness()
         h.rejoin([a])
-        h.job.check_capacity()
+        h.agents.check_capacity()
         assert h.job.phase is Phase.REPLACING
         c = h.join("n9")
         h.wait(c)
         h.settle()
         assert h.job.phase is Phase.RUNNING and h.job.round == 2
         assert [e["node"] for e in h.events("node_admitted")] == ["n9"]
-        h.job.check_capacity()
+        h.agents.check_capacity()
         assert not h.requeued and len(h.replacements) == 1
 
     run(body)
@@ -285,5 +276,64 @@ def test_stop_signal_fails_the_job_from_any_live_phase(tmp_path: Path, first: bo
         assert h.job.phase is Phase.FAILED and h.job.exit_code == 143
         h.job.finish(0, "late")  # an ended job stays ended
         assert h.job.phase is Phase.FAILED and h.job.exit_code == 143
+
+    run(body)
+
+
+def _failure(agent: str, *, round: int, kind: str, signal: str | None = None) -> m.WorkerFailed:
+    return m.WorkerFailed(
+        agent_id=agent,
+        round=round,
+        local_rank=0,
+        rank=0,
+        exit_code=None if signal else 1,
+        signal=signal,
+        classification=kind,
+        reason="Connection closed by peer" if kind == "peer" else "boom",
+    )
+
+
+def _peer_failure(agent: str, round: int = 1) -> m.WorkerFailed:
+    return _failure(agent, round=round, kind="peer")
+
+
+def test_node_crash_spends_no_restart_even_with_max_restarts_0(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3", max_restarts=0)
+        a, b, c = h.start("n1", "n2", "n3")
+        # n3 crashes: the survivors' workers lose their peer first, then n3's link closes.
+        h.agents.worker_failed(_peer_failure(a))
+        h.agents.worker_failed(_peer_failure(b))
+        assert h.job.phase is Phase.RESTARTING and h.job.restart_count == 0
+        h.agents.disconnected(c)
+        h.clock.now += 3.5
+        for agent in (a, b):
+            h.agents.heartbeat(m.Heartbeat(agent_id=agent, round=1))
+        h.agents.check_liveness()
+        assert [e["node"] for e in h.events("node_lost")] == ["n3"]
+        h.rejoin([a, b])
+        h.settle(20.0)  # long past the grace: nothing is charged
+        assert h.job.phase is Phase.RUNNING and h.job.round == 2
+        assert h.job.restart_count == 0 and not h.events("job_finished")
+
+    run(body)
+
+
+def test_a_peer_failure_with_no_node_lost_is_charged_after_the_grace(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2", max_restarts=1)
+        a, b = h.start("n1", "n2")
+        h.agents.worker_failed(_peer_failure(a))
+        assert h.job.restart_count == 0
+        h.rejoin([a, b])
+        h.settle(1.5)
+        assert h.job.phase is Phase.RUNNING and h.job.restart_count == 0  # restarted at once
+        h.settle(9.0)  # the grace has run out and no node left
+        assert h.job.restart_count == 1 and h.job.phase is Phase.RUNNING
+        assert Journal(tmp_path / "journal.jsonl").load()["restart_count"] == 1
+        h.agents.worker_failed(_peer_failure(a, round=2))
+        h.settle(10.0)
+        assert h.job.phase is Phase.FAILED
+        assert h.events("job_finished")[0]["reason"].endswith("1 restarts are used up")
 
     run(body)

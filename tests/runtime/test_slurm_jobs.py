@@ -288,12 +288,46 @@ def test_replacement_job_joins_when_no_spare_is_left(
     assert fields["JobState"] == "COMPLETED", out[-4000:]
     requested = named(evs, "replacement_requested")
     assert len(requested) == 1 and requested[0]["count"] == 1, requested
-    assert {"node1", "node2", "node3"} <= set(requested[0]["exclude"])
+    # Only the nodes the job holds now (squeue) and faulty ones: node3 is down, no longer the
+    # job's and not faulty, so Slurm is left free to choose (issue 12: avoiding every node ever
+    # held made requests unsatisfiable).
+    assert requested[0]["exclude"] == ["node1", "node2"]
     assert [e["node"] for e in named(evs, "node_admitted")] == ["node4"]
     assert sorted(_last_round_nodes(evs)) == ["node1", "node2", "node4"]
     assert json.loads((shared_tmp / "result.json").read_text())["group_world_size"] == 3
     repl = requested[0]["job"]
     wait_for(lambda: wait_job(repl, timeout_s=60), timeout_s=61, what="replacement job end")
+
+
+def test_node_crash_spends_no_restart_with_max_restarts_0(
+    local_slurm: LocalSlurm, shared_tmp: Path
+) -> None:
+    """A membership change is free: the survivors' workers fail with "connection closed by
+    peer" before the node is seen lost; none of that may spend --max-restarts."""
+    job = sbatch(
+        shared_tmp,
+        3,
+        "--nnodes=2:3",
+        "--nproc-per-node=1",
+        "--max-restarts=0",
+        *_train_args(shared_tmp, steps=60, extra=("--step-time=0.1",)),
+        extra=("-w", "node[1-3]"),
+        master_opts="--replacement-sbatch=off",
+    )
+    try:
+        _wait_training(shared_tmp, job, 10)
+        local_slurm.kill_node("node3")
+        fields = wait_job(job, timeout_s=240)
+    finally:
+        local_slurm.restart_node("node3")
+    evs = events(_job_dir(shared_tmp, job))
+    out = (shared_tmp / f"slurm-{job}.out").read_text()
+    assert fields["JobState"] == "COMPLETED", out[-4000:]
+    assert [e["node"] for e in named(evs, "node_lost")] == ["node3"]
+    assert {e["classification"] for e in named(evs, "worker_failed")} <= {"peer"}, out[-3000:]
+    assert named(evs, "job_finished")[-1]["restart_count"] == 0
+    assert sorted(_last_round_nodes(evs)) == ["node1", "node2"]
+    assert json.loads((shared_tmp / "result.json").read_text())["final_step"] == 60
 
 
 def test_requeue_when_below_min_nodes_resumes_from_checkpoint(

@@ -1,0 +1,282 @@
+"""A node whose link is cut is lost within seconds, not after the heartbeat timeout.
+
+Real TCP, no mocks: a real ``MasterServer`` listens on the host side of a veth pair, a real
+``MasterClient`` joins from a network namespace on the other side (a subprocess that heartbeats
+as an agent does), then the node's side of the link goes down.  That blackholes the connection
+both ways without a FIN or RST, as a pulled cable or a dead switch port does (this kernel has no
+netem).  ``benchmarks/link_loss.py`` runs the same harness N times against the heartbeat-only
+baseline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dlrover_hpc.config import DEFAULT_LINK_TIMEOUT_S, MasterConfig, NodeRange
+from dlrover_hpc.master.nodes import NodeState
+from dlrover_hpc.master.server import MasterServer
+from dlrover_hpc.protocol import messages as m
+from dlrover_hpc.protocol.client import MasterClient
+from dlrover_hpc.protocol.keepalive import LinkTimeouts, link_timeouts
+
+pytestmark = pytest.mark.timeout(120)
+
+TOKEN = "link-loss-t0ken"
+#: Keepalive off in effect: the baseline, where only the heartbeat timeout notices the cut.
+NO_LINK_TIMEOUT_S = 10.0**6
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None,
+    reason="network namespaces need root and iproute2",
+)
+
+# The agent's side, run inside the namespace: join, then heartbeat as dlrover-run does.
+AGENT = r"""
+import asyncio, sys
+from dlrover_hpc.protocol import messages as m
+from dlrover_hpc.protocol.client import MasterClient
+
+async def main(host, port, token, link_timeout_s):
+    client = await MasterClient.connect(host, port, token=token, link_timeout_s=link_timeout_s)
+    join = m.Join(node="cut-node", addr="cut-node", nproc=1)
+    reply = await client.request(join, m.JoinReply, timeout_s=10)
+    print("joined", reply.agent_id, flush=True)
+    while True:
+        beat = m.Heartbeat(agent_id=reply.agent_id, round=0)
+        try:
+            await client.request(beat, m.HeartbeatReply, timeout_s=3600)
+        except (ConnectionError, TimeoutError) as exc:
+            print("lost the master:", exc, flush=True)
+            return
+        print("beat", flush=True)
+        await asyncio.sleep(reply.heartbeat_interval_s)
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])))
+"""
+
+
+class _NoStores:
+    """Rounds never complete here (2 nodes wanted, 1 joins): no torch store is ever made."""
+
+    def new_store(self, round: int) -> int:
+        raise AssertionError("no round completes in this test")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Link:
+    netns: str
+    host_if: str  # host side of the veth pair (the master's)
+    host_addr: str
+    node_addr: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Detection:
+    error_s: float | None  # cut -> the master's connection failed (None: it never did)
+    lost_s: float  # cut -> the master marked the node lost
+    reason: str  # of the node_lost event: "link timed out", "connection closed", "no heartbeat"
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@contextlib.contextmanager
+def veth_namespace() -> Iterator[Link]:
+    """A network namespace joined to the host by a veth pair, on a random /30 of 10.213/16."""
+    tag = secrets.token_hex(3)
+    netns, host_if = f"linkloss-{tag}", f"ll{tag}h"
+    third, fourth = secrets.randbelow(256), secrets.randbelow(64) * 4
+    host_addr, node_addr = f"10.213.{third}.{fourth + 1}", f"10.213.{third}.{fourth + 2}"
+    try:
+        _ip("netns", "add", netns)
+        _ip("link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", netns)
+        _ip("addr", "add", f"{host_addr}/30", "dev", host_if)
+        _ip("link", "set", host_if, "up")
+        _ip("-n", netns, "addr", "add", f"{node_addr}/30", "dev", "eth0")
+        _ip("-n", netns, "link", "set", "eth0", "up")
+        _ip("-n", netns, "link", "set", "lo", "up")
+        yield Link(netns=netns, host_if=host_if, host_addr=host_addr, node_addr=node_addr)
+    finally:
+        if Path(f"/sys/class/net/{host_if}").exists():
+            subprocess.run(["ip", "link", "del", host_if], capture_output=True, check=False)
+        if Path(f"/run/netns/{netns}").exists():
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True, check=False)
+
+
+async def _line(proc: asyncio.subprocess.Process, prefix: str, timeout_s: float) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        line = (await asyncio.wait_for(proc.stdout.readline(), left)).decode()
+        if not line:
+            break
+        if line.startswith(prefix):
+            return line
+    raise AssertionError(f"the agent in the namespace never printed {prefix!r}")
+
+
+async def measure_detection(
+    job_dir: Path,
+    *,
+    link_timeout_s: float = DEFAULT_LINK_TIMEOUT_S,
+    heartbeat_timeout_s: float = 15.0,
+    deadline_s: float = 60.0,
+) -> Detection:
+    """Join a node from a namespace, cut its link, time how long the master takes to lose it."""
+    with veth_namespace() as link:
+        config = MasterConfig(
+            host=link.host_addr,
+            port=0,
+            nnodes=NodeRange.parse("2:2"),
+            job_dir=str(job_dir),
+            job_id="link-loss",
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            link_timeout_s=link_timeout_s,
+            requeue=False,
+        )
+        server = MasterServer(config, token=TOKEN, job_dir=job_dir, stores=_NoStores())
+        port = await server.start()
+        serving = asyncio.create_task(server.serve(linger_s=0))
+        agent = await asyncio.create_subprocess_exec(
+            *("ip", "netns", "exec", link.netns, sys.executable, "-c", AGENT),
+            *(link.host_addr, str(port), TOKEN, repr(link_timeout_s)),
+            stdout=asyncio.subprocess.PIPE,
+        )
+        try:
+            agent_id = (await _line(agent, "joined ", 30)).split()[1]
+            await _line(agent, "beat", 30)  # one heartbeat through: the steady state
+            rec = server.job.nodes[agent_id]
+            cut = time.monotonic()
+            _ip("-n", link.netns, "link", "set", "eth0", "down")  # the node's NIC goes dark
+            while rec.state is not NodeState.LOST:
+                assert time.monotonic() - cut < deadline_s, f"node not lost in {deadline_s} s"
+                await asyncio.sleep(0.01)
+            lost = time.monotonic() - cut
+            error = None if rec.disconnected_at is None else rec.disconnected_at - cut
+            lines = (job_dir / "events.jsonl").read_text().splitlines()
+            (reason,) = [e["reason"] for e in map(json.loads, lines) if e["event"] == "node_lost"]
+            return Detection(error_s=error, lost_s=lost, reason=reason)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                agent.kill()
+            await agent.wait()
+            server.job.request_stop("SIGTERM")
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(serving, 15)
+
+
+# ------------------------------------------------------------------------------- tests
+@needs_root
+def test_cut_link_is_noticed_within_seconds(tmp_path: Path) -> None:
+    found = asyncio.run(measure_detection(tmp_path))
+    print(
+        f"cut link: master's connection failed after {found.error_s:.2f} s, "
+        f"node lost after {found.lost_s:.2f} s (link timeout {DEFAULT_LINK_TIMEOUT_S:g} s)"
+    )
+    assert found.reason == "link timed out", found
+    assert found.error_s is not None and found.error_s <= DEFAULT_LINK_TIMEOUT_S + 1.0, found
+    # Lost as soon as TCP gives up (no reconnect grace for a timed-out link): within the 5 s
+    # the default promises, with a second of slack for a loaded machine.
+    assert found.lost_s < 6.0, found
+
+
+@pytest.mark.parametrize(
+    ("link_timeout_s", "expected"),
+    [
+        (3.0, LinkTimeouts(idle_s=1, interval_s=1, count=2, user_timeout_ms=3000)),
+        (0.5, LinkTimeouts(idle_s=1, interval_s=1, count=1, user_timeout_ms=500)),
+        (2.0, LinkTimeouts(idle_s=1, interval_s=1, count=1, user_timeout_ms=2000)),
+        (10.0, LinkTimeouts(idle_s=3, interval_s=1, count=7, user_timeout_ms=10000)),
+        (60.0, LinkTimeouts(idle_s=20, interval_s=6, count=7, user_timeout_ms=60000)),
+        (
+            NO_LINK_TIMEOUT_S,
+            LinkTimeouts(idle_s=32767, interval_s=32767, count=30, user_timeout_ms=10**9),
+        ),
+    ],
+)
+def test_link_timeouts_table(link_timeout_s: float, expected: LinkTimeouts) -> None:
+    got = link_timeouts(link_timeout_s)
+    assert got == expected
+    if link_timeout_s < NO_LINK_TIMEOUT_S:  # keepalive alone gives up within one interval
+        assert link_timeout_s <= got.keepalive_s < max(link_timeout_s, 2) + got.interval_s
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_link_timeouts_rejects_non_positive(bad: float) -> None:
+    with pytest.raises(ValueError, match="link timeout must be a positive number of seconds"):
+        link_timeouts(bad)
+
+
+def test_both_ends_set_keepalive_and_user_timeout(tmp_path: Path) -> None:
+    """The accepted socket (master) and the client's socket (agent) carry the options."""
+    tcp_options = ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT", "TCP_USER_TIMEOUT")
+    if not all(hasattr(socket, name) for name in tcp_options):
+        pytest.skip("this platform lacks the Linux TCP keepalive options")
+
+    def options(sock: socket.socket) -> tuple[int, ...]:
+        tcp = socket.IPPROTO_TCP
+        return (
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+            *(sock.getsockopt(tcp, getattr(socket, name)) for name in tcp_options),
+        )
+
+    async def body() -> None:
+        config = MasterConfig(
+            host="127.0.0.1", port=0, job_dir=str(tmp_path), nnodes=NodeRange.parse("2:2")
+        )
+        server = MasterServer(config, token=TOKEN, job_dir=tmp_path, stores=_NoStores())
+        port = await server.start()
+        client = await MasterClient.connect("127.0.0.1", port, token=TOKEN, link_timeout_s=10.0)
+        reply = await client.request(
+            m.Join(node="n1", addr="n1", nproc=1), m.JoinReply, timeout_s=5
+        )
+        accepted = server._writers[reply.agent_id].get_extra_info("socket")
+        assert options(accepted) == (1, 1, 1, 2, 3000)  # the master's default, 3 s
+        assert options(client._writer.get_extra_info("socket")) == (1, 3, 1, 7, 10000)
+        await client.close()
+        await server.close()
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["dlrover-hpc", "master", "--link-timeout=0"],
+            "--link-timeout=0: must be a positive number of seconds, e.g. --link-timeout=3",
+        ),
+        (
+            ["dlrover-run", "--link-timeout=-2", "train.py"],
+            "--link-timeout=-2: must be a positive number of seconds, e.g. --link-timeout=3",
+        ),
+        (
+            ["dlrover-hpc", "master", "--link-timeout=soon"],
+            "argument --link-timeout: invalid float value: 'soon'",
+        ),
+    ],
+)
+def test_link_timeout_flag_is_checked(tmp_path: Path, argv: list[str], message: str) -> None:
+    (tmp_path / "train.py").write_text("")
+    exe = Path(sys.executable).with_name(argv[0])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DLROVER_HPC_")}
+    proc = subprocess.run(
+        [str(exe), *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) <= 2, proc.stderr  # one line (+ usage hint)
