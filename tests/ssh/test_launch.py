@@ -220,7 +220,10 @@ def test_cut_link_hands_its_place_to_the_spare(cluster: SshdCluster, tmp_path: P
         cluster.heal_link("host3")
     evs = events(job.job_dir)
     lost = named(evs, "node_lost")
-    assert [e["node"] for e in lost] == ["host3"] and lost[0]["reason"] == "no heartbeat"
+    # A cut link is silence: the keepalive (--link-timeout 3 s) and the heartbeat timeout (4 s
+    # here) race to notice it; either is right, a "connection closed" would not be.
+    assert [e["node"] for e in lost] == ["host3"]
+    assert lost[0]["reason"] in ("link timed out", "no heartbeat"), lost
     assert [e["node"] for e in named(evs, "node_admitted")] == ["host4"]
     assert sorted(last_round(job.job_dir)) == ["host1", "host2", "host4"]
     assert json.loads((tmp_path / "result.json").read_text())["final_step"] == 40
