@@ -63,7 +63,6 @@ class FsdpShardCheckpointer(CheckpointerBase):
             env=env,
             link=link,
         )
-        self._waited = 0.0
 
     # ------------------------------------------------------------------------ saving
     def save_checkpoint(
@@ -97,7 +96,7 @@ class FsdpShardCheckpointer(CheckpointerBase):
         return engine.after_write(seg, step=step, storage_type=storage_type, blocking_s=blocking)
 
     def _acquire(self, image_len: int, meta_len: int, device: torch.device | None) -> Segment:
-        seg, self._waited = self._engine.acquire(image_len, meta_len, device)
+        seg, _ = self._engine.acquire(image_len, meta_len, device)
         return seg
 
     def _finish(
