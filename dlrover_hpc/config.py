@@ -117,6 +117,11 @@ def check_link_timeout(value: float) -> None:
         )
 
 
+#: ``--reconnect-timeout``: how long an agent whose master connection dropped keeps trying to
+#: reconnect (its workers train on meanwhile) before it stops them and exits.
+DEFAULT_RECONNECT_TIMEOUT_S = 120.0
+
+
 def env_default(name: str, default: str | None, env: Mapping[str, str] | None = None) -> str | None:
     """Default of a flag from ``DLROVER_HPC_<NAME>`` (flags win over the environment)."""
     env = os.environ if env is None else env
@@ -202,6 +207,9 @@ class RunConfig:
     training_script: str
     training_script_args: tuple[str, ...]
     link_timeout_s: float = DEFAULT_LINK_TIMEOUT_S  # a silent master connection fails after this
+    reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S
+    #: the command line that started this agent (the master relaunches it with it); () unknown
+    launch_argv: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         nnodes = self.nnodes
@@ -245,3 +253,9 @@ class RunConfig:
         _check_std_streams("--redirects", self.redirects)
         _check_std_streams("--tee", self.tee)
         check_link_timeout(self.link_timeout_s)
+        if not (self.reconnect_timeout_s >= 0 and math.isfinite(self.reconnect_timeout_s)):
+            raise ConfigError(
+                f"--reconnect-timeout={self.reconnect_timeout_s:g}: must be 0 (exit at once when "
+                f"the master's connection drops) or more seconds, e.g. "
+                f"--reconnect-timeout={DEFAULT_RECONNECT_TIMEOUT_S:g}"
+            )

@@ -20,6 +20,8 @@ class EventName(StrEnum):
     # Nodes (master).
     NODE_LOST = "node_lost"
     NODE_ADMITTED = "node_admitted"
+    NODE_RELAUNCHED = "node_relaunched"
+    NODE_READMITTED = "node_readmitted"
     NETCHECK_RESULT = "netcheck_result"
     NODE_DRAINED = "node_drained"
     NODE_QUARANTINED = "node_quarantined"

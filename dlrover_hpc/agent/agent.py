@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import getpass
+import hashlib
 import logging
 import os
 import signal
@@ -13,12 +15,14 @@ from pathlib import Path
 
 from dlrover_hpc.agent.decisions import Next, Outcome, on_assignment, round_outcome, round_over
 from dlrover_hpc.agent.diagnose import Diagnoser
+from dlrover_hpc.agent.master_link import MasterLink
 from dlrover_hpc.agent.saver_link import start_saver
 from dlrover_hpc.agent.workers import WorkerFailure, WorkerGroup
 from dlrover_hpc.agent.zygote import Zygote
 from dlrover_hpc.checkpoint.saver.host import SaverHost
 from dlrover_hpc.config import RunConfig
 from dlrover_hpc.diagnosis.classify import Diagnosis
+from dlrover_hpc.errors import DlroverHpcError
 from dlrover_hpc.netcheck.launch import run_probe_subprocess
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
@@ -55,21 +59,36 @@ class Agent:
         )
         self.workers = WorkerGroup(config, log_dir=log_dir, zygote=self.zygote)
         self.diagnoser = Diagnoser()
-        self.client: MasterClient | None = None
+        self.link: MasterLink | None = None
+        self._lock_fd = -1
         self.agent_id = ""
         self.round = 0
         self._stop = asyncio.Event()
         self._round_changed = asyncio.Event()
-        self.exit_code = 1
+        self._master_gone = False  # the link gave up reconnecting
 
     # -------------------------------------------------------------- setup
-    async def _connect(self) -> None:
+    async def _open_link(self) -> None:
         host, port = self.master
-        self.client = await MasterClient.connect(
-            host, port, token=self._token, link_timeout_s=self.config.link_timeout_s
+
+        async def connect(pushes: asyncio.Queue[m.Message]) -> MasterClient:
+            return await MasterClient.connect(
+                host,
+                port,
+                token=self._token,
+                link_timeout_s=self.config.link_timeout_s,
+                pushes=pushes,
+            )
+
+        self.link = MasterLink(
+            connect, self._register, reconnect_timeout_s=self.config.reconnect_timeout_s
         )
+        await self.link.open()
+
+    async def _register(self, client: MasterClient) -> None:
+        """Join, or re-join under the same agent id after a reconnect."""
         slurm = parse_slurm_env(os.environ)
-        reply = await self.client.request(
+        reply = await client.request(
             m.Join(
                 node=self.node,
                 addr=self.config.local_addr or self.node,
@@ -79,14 +98,43 @@ class Agent:
                 agent_id=self.agent_id or None,
                 network_check=self.config.network_check,
                 exclude_straggler=self.config.exclude_straggler,
+                launch_argv=list(self.config.launch_argv),
+                launch_cwd=os.getcwd(),
             ),
             m.JoinReply,
             timeout_s=30,
         )
+        rejoined = bool(self.agent_id)
         self.agent_id = reply.agent_id
         self._job_id = reply.job_id
         self._heartbeat_s = reply.heartbeat_interval_s
-        log.info("joined master=%s:%d agent=%s", host, port, self.agent_id)
+        log.info(
+            "%s master=%s:%d agent=%s",
+            "re-joined" if rejoined else "joined",
+            *self.master,
+            self.agent_id,
+        )
+
+    def _hold_node_lock(self) -> None:
+        """One agent of a job per node under Slurm: a relaunch (``srun -w NODE``) that finds the
+        old agent alive (it only lost its link and will reconnect) must not start a second."""
+        if not os.environ.get("SLURM_JOB_ID"):
+            return
+        key = hashlib.sha1(str(self.job_dir.resolve()).encode()).hexdigest()[:12]
+        path = f"/tmp/dlrover-hpc-{getpass.getuser()}-{key}-{self.node}.agent.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise DlroverHpcError(
+                f"another dlrover-run of this job (pid {holder}) is running on {self.node}; "
+                f"not starting a second agent (lock {path})"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd  # held (close-on-exec) until this process exits
 
     def _install_signals(self) -> None:
         loop = asyncio.get_running_loop()
@@ -102,11 +150,12 @@ class Agent:
             if "OMP_NUM_THREADS" not in env and self.config.nproc_per_node > 1:
                 env["OMP_NUM_THREADS"] = "1"  # as the workers get it (read at import)
             self.zygote.start(env)
-        await self._connect()
-        assert self.client is not None
+        self._hold_node_lock()
+        await self._open_link()
+        assert self.link is not None
         beats = asyncio.create_task(self._heartbeats())
         pushes = asyncio.create_task(self._pushes())
-        self.saver = start_saver(self.client, job_id=self._job_id, node=self.node)
+        self.saver = start_saver(self.link, job_id=self._job_id, node=self.node)
         try:
             return await self._rounds()
         finally:
@@ -115,15 +164,15 @@ class Agent:
             await asyncio.to_thread(self.saver.close, True)
             beats.cancel()
             pushes.cancel()
-            await self.client.close()
+            await self.link.close()
             if self.zygote is not None:
                 await asyncio.to_thread(self.zygote.stop)
 
     async def _rounds(self) -> int:
-        assert self.client is not None
+        assert self.link is not None
         while True:
             wait = asyncio.create_task(
-                self.client.request(
+                self.link.request(
                     m.WaitRound(agent_id=self.agent_id, after_round=self.round),
                     m.Assignment,
                     timeout_s=24 * 3600,
@@ -133,10 +182,16 @@ class Agent:
             done, _ = await asyncio.wait({wait, stop}, return_when=asyncio.FIRST_COMPLETED)
             if stop in done:
                 wait.cancel()
+                if self._master_gone:
+                    return 1
                 log.info("agent stopped by signal while waiting in rendezvous")
                 return 143
             stop.cancel()
-            assignment = wait.result()
+            try:
+                assignment = wait.result()
+            except ConnectionError as exc:  # the link gave up: no master to wait for
+                log.error("lost the master error=%s", exc)
+                return 1
             step = on_assignment(assignment)
             if step.next is Next.EXIT:
                 if assignment.status is m.NodeStatus.EXCLUDED:
@@ -151,10 +206,10 @@ class Agent:
                 continue
             outcome = await self._run_round(assignment)
             if outcome is Outcome.STOPPED:
-                return 143
+                return 1 if self._master_gone else 143
 
     async def _run_round(self, a: m.Assignment) -> Outcome:
-        assert self.client is not None
+        assert self.link is not None
         self.round = a.round
         self._round_changed.clear()
         env = {
@@ -170,7 +225,7 @@ class Agent:
         # torch's process context installs its own SIGTERM/SIGINT handlers (they raise inside
         # whatever runs); ours only set an event that the monitor loop acts on.
         self._install_signals()
-        await self.client.request(
+        await self.link.request(
             m.WorkersStarted(agent_id=self.agent_id, round=a.round, pids=list(pids.values())),
             m.Ack,
             timeout_s=30,
@@ -178,7 +233,7 @@ class Agent:
         outcome, failures = await self._monitor()
         if outcome is Outcome.SUCCEEDED:
             self.workers.stop()
-            await self.client.request(
+            await self.link.request(
                 m.WorkersSucceeded(agent_id=self.agent_id, round=a.round), m.Ack, timeout_s=30
             )
             return outcome
@@ -205,7 +260,7 @@ class Agent:
 
     async def _probe(self, a: m.Assignment) -> None:
         """One network-check probe with this round's partner(s); the result goes to the master."""
-        assert self.client is not None
+        assert self.link is not None
         result = await asyncio.to_thread(
             run_probe_subprocess,
             group_rank=a.group_rank,
@@ -224,7 +279,7 @@ class Agent:
             result.check_s,
             result.error,
         )
-        await self.client.request(
+        await self.link.request(
             m.NetcheckReport(
                 agent_id=self.agent_id,
                 check_round=a.check_round,
@@ -237,7 +292,7 @@ class Agent:
         )
 
     async def _report_logged_hardware_fault(self, a: m.Assignment) -> None:
-        assert self.client is not None
+        assert self.link is not None
         tails = {lr: self.workers.log_tail(lr) for lr in self.workers.stderr_paths}
         found = self.diagnoser.scan_logs(tails)
         if found is None:
@@ -255,8 +310,8 @@ class Agent:
         exit_code: int | None,
         signal: str | None,
     ) -> None:
-        assert self.client is not None
-        await self.client.request(
+        assert self.link is not None
+        await self.link.request(
             m.WorkerFailed(
                 agent_id=self.agent_id,
                 round=a.round,
@@ -304,25 +359,29 @@ class Agent:
 
     # ---------------------------------------------------- background tasks
     async def _pushes(self) -> None:
-        assert self.client is not None
+        assert self.link is not None
         while True:
-            msg = await self.client.pushes.get()
+            msg = await self.link.pushes.get()
             if isinstance(msg, m.RoundChanged) and msg.round > self.round:
                 log.info("master opened round=%d reason=%s", msg.round, msg.reason)
                 self._round_changed.set()
 
     async def _heartbeats(self) -> None:
-        assert self.client is not None
+        assert self.link is not None
         while True:
             await asyncio.sleep(self._heartbeat_s)
             try:
-                reply = await self.client.request(
+                reply = await self.link.request(
                     m.Heartbeat(agent_id=self.agent_id, round=self.round),
                     m.HeartbeatReply,
                     timeout_s=max(5.0, 2 * self._heartbeat_s),
                 )
-            except (ConnectionError, TimeoutError) as exc:
+            except TimeoutError as exc:  # reconnecting, or a busy master: the link decides
+                log.warning("heartbeat unanswered error=%s", exc)
+                continue
+            except ConnectionError as exc:
                 log.error("lost the master error=%s; stopping workers", exc)
+                self._master_gone = True
                 self._stop.set()
                 return
             if round_over(reply, my_round=self.round, workers_running=self.workers.running):

@@ -10,10 +10,10 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from dlrover_hpc.agent.master_link import MasterLink
 from dlrover_hpc.checkpoint.saver.host import SaverHost
 from dlrover_hpc.events import EventName
 from dlrover_hpc.protocol import messages as m
-from dlrover_hpc.protocol.client import MasterClient
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ class MasterCommitCoordinator:
     """``part_durable`` asks the master, which counts every node's parts of a step; exactly
     one caller (the one completing the set) is told to commit.  Called from saver threads."""
 
-    def __init__(self, client: MasterClient, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, client: MasterLink, loop: asyncio.AbstractEventLoop) -> None:
         self._client, self._loop = client, loop
 
     def part_durable(self, *, step: int, ranks: Sequence[int], world_size: int, path: str) -> bool:
@@ -38,7 +38,7 @@ class MasterCommitCoordinator:
 class MasterEventSink:
     """Saver events go to the master, the one writer of events.jsonl."""
 
-    def __init__(self, client: MasterClient, loop: asyncio.AbstractEventLoop, node: str) -> None:
+    def __init__(self, client: MasterLink, loop: asyncio.AbstractEventLoop, node: str) -> None:
         self._client, self._loop, self._node = client, loop, node
 
     def emit(self, event: EventName, **fields: Any) -> None:
@@ -56,7 +56,7 @@ def saver_socket_path(job_id: str, node: str) -> str:
     return os.path.join("/tmp", f"dlrover-hpc-{safe}.sock")[:107]
 
 
-def start_saver(client: MasterClient, *, job_id: str, node: str) -> SaverHost:
+def start_saver(client: MasterLink, *, job_id: str, node: str) -> SaverHost:
     loop = asyncio.get_running_loop()
     host = SaverHost(
         job_id=job_id,

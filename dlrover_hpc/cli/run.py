@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import sys
 from collections.abc import Sequence
@@ -33,7 +34,11 @@ def _run_agent(config: RunConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = parse(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    config = parse(args)
+    # The same interpreter and flags: the master relaunches this agent with it (srun -w NODE).
+    launch = (sys.executable, "-m", "dlrover_hpc.cli.run", *args)
+    config = dataclasses.replace(config, launch_argv=launch)
 
     def command() -> int:
         setup_logging("agent")

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dlrover_hpc.cli.parser import Parser
 from dlrover_hpc.config import (
     DEFAULT_LINK_TIMEOUT_S,
+    DEFAULT_RECONNECT_TIMEOUT_S,
     NodeRange,
     RunConfig,
     env_default,
@@ -232,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"and TCP_USER_TIMEOUT; default {DEFAULT_LINK_TIMEOUT_S:g})",
     )
     d.add_argument(
+        "--reconnect-timeout",
+        type=float,
+        default=env_default("reconnect_timeout", f"{DEFAULT_RECONNECT_TIMEOUT_S:g}"),
+        help="seconds to keep reconnecting to a lost master while the workers train on, "
+        f"before stopping them (default {DEFAULT_RECONNECT_TIMEOUT_S:g})",
+    )
+    d.add_argument(
         "--job-dir",
         default=env_default("job_dir", None),
         help="job directory (default $SLURM_SUBMIT_DIR/.dlrover-hpc/$SLURM_JOB_ID)",
@@ -276,6 +284,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         training_script=args.training_script,
         training_script_args=tuple(args.training_script_args),
         link_timeout_s=args.link_timeout,
+        reconnect_timeout_s=args.reconnect_timeout,
     )
 
 

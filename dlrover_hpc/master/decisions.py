@@ -80,6 +80,15 @@ class RequestReplacement:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Relaunch:
+    """Start a new agent on ``node``, still ours in Slurm, whose agent died."""
+
+    node: str
+    agent_id: str  # the lost agent: its command line and node index are reused
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Requeue:
     reason: str
 
@@ -115,6 +124,7 @@ Action = (
     | RemoveNode
     | MarkLost
     | RequestReplacement
+    | Relaunch
     | Requeue
     | EnterPhase
     | StartNetcheck
@@ -261,6 +271,8 @@ def capacity(
     min_nodes_timeout_s: float,
     can_replace: bool,
     can_requeue: bool,
+    relaunching: int = 0,
+    judging: bool = False,
 ) -> tuple[Capacity, list[Action]]:
     """After hot spares: ask for a replacement job; below MIN for too long: requeue.
 
@@ -269,15 +281,19 @@ def capacity(
     allocation.  Avoiding every node ever held is what makes Slurm answer "Requested node
     configuration is not available".  The caller runs it only once its process completed a
     rendezvous: a master resumed from its journal waits for its agents, as a fresh one does.
+
+    Agents being relaunched in the allocation (``relaunching``) count as alive: a relaunch is
+    cheaper than any replacement.  While ``judging`` (a loss newer than the last look at the
+    allocation, so it may yet be relaunched) no replacement is requested.
     """
     if phase in (Phase.FINISHED, Phase.FAILED):
         return cap, []
     actions: list[Action] = []
-    alive = sum(1 for n in records if n.state in USABLE)
+    alive = sum(1 for n in records if n.state in USABLE) + relaunching
     if alive >= params.max_nodes and cap.failures:
         cap = dataclasses.replace(cap, failures=0, retry_at=0.0)  # full again: start afresh
     wanted = cap.losses > cap.replaced and alive < params.max_nodes
-    if wanted and can_replace and now >= cap.retry_at:
+    if wanted and can_replace and not judging and now >= cap.retry_at:
         cap = dataclasses.replace(cap, replaced=cap.losses)
         count = replacement_count(alive, cap.failures, params)
         held = {n.node for n in records if n.state in USABLE}

@@ -14,7 +14,7 @@ import logging
 from dlrover_hpc.events import EventName
 from dlrover_hpc.master import decisions as d
 from dlrover_hpc.master.job import Job
-from dlrover_hpc.master.nodes import NodeRecord, NodeState
+from dlrover_hpc.master.nodes import NodeRecord, NodeState, node_rows
 from dlrover_hpc.master.phases import Phase
 from dlrover_hpc.protocol import messages as m
 
@@ -27,7 +27,22 @@ class AgentHandlers:
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------ messages
+    def status(self, _msg: m.StatusRequest | None = None) -> m.StatusReply:
+        job = self.job
+        return m.StatusReply(
+            job_id=job.config.job_id,
+            state=job.phase.value,
+            round=job.round,
+            restart_count=job.restart_count,
+            max_restarts=job.config.max_restarts,
+            nodes=node_rows(job.nodes.values()),
+        )
+
     def join(self, msg: m.Join) -> m.JoinReply:
+        known = self.job.nodes.get(msg.agent_id) if msg.agent_id else None
+        if known is not None and known.node == msg.node:
+            self._rejoin(known)
+            return self._join_reply(known.agent_id)
         now = self.job.clock()
         agent_id = msg.agent_id or f"{msg.node}-{next(self._ids)}"
         excluded = msg.node in self.job.excluded_nodes
@@ -41,19 +56,48 @@ class AgentHandlers:
             state=NodeState.EXCLUDED if excluded else NodeState.WAITING,
             joined_at=now,
             last_seen=now,
+            launch_argv=tuple(msg.launch_argv),
+            launch_cwd=msg.launch_cwd,
         )
         self.job.nodes[agent_id] = rec
+        self.job.relaunches.joined(msg.node)
         self.job.netcheck.enabled |= msg.network_check  # any agent's --network-check turns it on
         self.job.netcheck.exclude_straggler |= msg.exclude_straggler
         log.info("agent joined agent=%s node=%s excluded=%s", agent_id, msg.node, excluded)
         if self.job.phase is Phase.RUNNING and not excluded:
             log.info("spare waiting agent=%s", agent_id)
         self.job.poke()
+        return self._join_reply(agent_id)
+
+    def _join_reply(self, agent_id: str) -> m.JoinReply:
         return m.JoinReply(
             agent_id=agent_id,
             job_id=self.job.config.job_id,
             heartbeat_interval_s=self.job.config.heartbeat_interval_s,
         )
+
+    def _rejoin(self, rec: NodeRecord) -> None:
+        """A known agent connected again (its link came back, or its connection was reset).
+
+        While the master still counts it, nothing changes: its workers train on.  When it
+        was already lost, the round went on without it: it comes back as a waiting node
+        (``node_readmitted``), is probed again by the network check when that is on, and
+        joins at the next rendezvous; the heartbeat reply tells it to stop its old workers.
+        """
+        rec.last_seen = self.job.clock()
+        rec.disconnected_at, rec.link_timed_out = None, False
+        if rec.state is not NodeState.LOST:
+            log.info(
+                "agent reconnected agent=%s node=%s state=%s", rec.agent_id, rec.node, rec.state
+            )
+            return
+        if self.job.ended or rec.node in self.job.excluded_nodes:
+            return
+        rec.state, rec.joined_at = NodeState.WAITING, rec.last_seen
+        self.job.netcheck.forget(rec.agent_id)
+        log.warning("node readmitted node=%s agent=%s", rec.node, rec.agent_id)
+        self.job.emit(EventName.NODE_READMITTED, node=rec.node, agent=rec.agent_id)
+        self.job.poke()
 
     def wait_round(self, msg: m.WaitRound) -> asyncio.Future[m.Assignment]:
         rec = self.job.record_of(msg.agent_id)
@@ -183,6 +227,7 @@ class AgentHandlers:
         """Replacements and requeue; only once this process completed a rendezvous."""
         if self.job.rounds_here == 0:
             return
+        now = self.job.clock()
         self.job.capacity, actions = d.capacity(
             self.job.capacity,
             phase=self.job.phase,
@@ -193,6 +238,8 @@ class AgentHandlers:
             min_nodes_timeout_s=self.job.config.min_nodes_timeout_s,
             can_replace=self.job.can_replace,
             can_requeue=self.job.can_requeue,
+            relaunching=self.job.relaunches.in_flight(now),
+            judging=self.job.relaunching_possible and self.job.relaunches.judging(now),
         )
         self.job.apply(actions)
 

@@ -27,11 +27,11 @@ from dlrover_hpc.master.nodes import (
     NodeRecord,
     NodeState,
     StoreFactory,
-    node_rows,
     rank_input,
     round_assignments,
 )
 from dlrover_hpc.master.phases import ENDED, FORMING, Phase, check_transition, ended_phase
+from dlrover_hpc.master.relaunch_plan import RelaunchBook
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.rendezvous.ranking import rank_nodes
 from dlrover_hpc.rendezvous.state import RdzvParams, Waiter, decide
@@ -57,6 +57,7 @@ class Job:
         remove_node: Callable[[str, str], None] | None = None,
         request_replacement: Callable[[int, list[str]], None] | None = None,
         requeue: Callable[[str], None] | None = None,
+        relaunch: Callable[[d.Relaunch], None] | None = None,
     ) -> None:
         self.config = config
         self.params = RdzvParams(
@@ -74,6 +75,9 @@ class Job:
         self._request_replacement, self._requeue = request_replacement, requeue
         self.can_replace, self.can_requeue = request_replacement is not None, requeue is not None
         self.capacity = d.Capacity()
+        self._relaunch = relaunch
+        self.relaunches = RelaunchBook()
+        self.relaunching_possible = False  # set by the server when it runs under Slurm
         self._pending_charge: tuple[float, str] | None = None  # (deadline, reason)
         #: rounds completed by this master process (a resumed one starts at 0, round does not)
         self.rounds_here = 0
@@ -163,16 +167,6 @@ class Job:
         else:
             rec.pending = assignment
 
-    def status(self) -> m.StatusReply:
-        return m.StatusReply(
-            job_id=self.config.job_id,
-            state=self.phase.value,
-            round=self.round,
-            restart_count=self.restart_count,
-            max_restarts=self.config.max_restarts,
-            nodes=node_rows(self.nodes.values()),
-        )
-
     # ------------------------------------------------------------ executor
     def apply(self, actions: Sequence[d.Action]) -> float | None:
         """Perform ``actions`` in order; returns the wake-up time of a WakeAt or StartNetcheck."""
@@ -199,6 +193,8 @@ class Job:
                 case d.RequestReplacement(count, avoid):
                     if self._request_replacement is not None:
                         self._request_replacement(count, list(avoid))
+                case d.Relaunch() if self._relaunch is not None:
+                    self._relaunch(action)  # srun in the allocation; node_relaunched
                 case d.Requeue(reason):
                     if self._requeue is not None:
                         self._requeue(reason)
@@ -225,6 +221,7 @@ class Job:
         actions = d.node_lost(self.phase, self.round, rec, reason)
         rec.state = NodeState.LOST
         self.capacity = self.capacity.lost()
+        self.relaunches.last_loss_at = self.clock()
         self._membership_changed()
         if rec.waiter is not None and not rec.waiter.done():
             rec.waiter.cancel()

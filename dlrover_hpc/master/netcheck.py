@@ -158,6 +158,11 @@ class NetcheckGate:
         checked_round, passed = self._checked
         return checked_round != generation or not set(agents) <= passed
 
+    def forget(self, agent: str) -> None:
+        """``agent`` was lost and came back: probe it again before it trains."""
+        checked_round, passed = self._checked
+        self._checked = (checked_round, passed - {agent})
+
     def start(self, ranked_agents: Sequence[str], generation: int) -> float:
         """Start a check of ``ranked_agents`` (pairs are neighbours); returns its deadline."""
         self.run = NetcheckRun(

@@ -32,6 +32,8 @@ class NodeRecord:
     waiter: asyncio.Future[m.Assignment] | None = None
     assignment: m.Assignment | None = None  # of the newest round it was in
     pending: m.Assignment | None = None  # a task for its next WaitRound (network check)
+    launch_argv: tuple[str, ...] = ()  # how to start this node's agent again (Join)
+    launch_cwd: str = ""
 
 
 class StoreFactory(Protocol):

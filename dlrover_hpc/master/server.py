@@ -19,10 +19,12 @@ from typing import Any
 from dlrover_hpc.config import MasterConfig
 from dlrover_hpc.errors import ConfigError, ProtocolError
 from dlrover_hpc.jobdir import make_job_dir
+from dlrover_hpc.master.decisions import Relaunch
 from dlrover_hpc.master.handlers import AgentHandlers
 from dlrover_hpc.master.job import Job
 from dlrover_hpc.master.journal import EventLog, Journal
 from dlrover_hpc.master.policy import NodeRemover
+from dlrover_hpc.master.relaunch import Relauncher, SrunLauncher
 from dlrover_hpc.master.replace import Replacer
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol import wire
@@ -110,8 +112,10 @@ class MasterServer:
             remove_node=self._remove_node,
             request_replacement=self._replacer_request,
             requeue=self._in_thread(self._replacer_requeue) if config.requeue else None,
+            relaunch=self._relaunch,
         )
         self.replacer: Replacer | None = None
+        self.relauncher: Relauncher | None = None
         self._remover = NodeRemover(
             mode=config.drain, job_id=config.job_id, job_dir=job_dir, events=self.events
         )
@@ -128,7 +132,7 @@ class MasterServer:
             m.WorkerFailed: self.agents.worker_failed,
             m.WorkersSucceeded: self.agents.workers_succeeded,
             m.CheckpointPart: self.agents.checkpoint_part,
-            m.StatusRequest: lambda _msg: self.job.status(),
+            m.StatusRequest: self.agents.status,
             m.Event: self._event,
             m.NetcheckReport: self.agents.netcheck_report,
         }
@@ -158,6 +162,10 @@ class MasterServer:
     def _replacer_requeue(self, reason: str) -> None:
         if self.replacer is not None:
             self.replacer.requeue(reason)
+
+    def _relaunch(self, action: Relaunch) -> None:
+        if self.relauncher is not None:
+            self.relauncher.relaunch(action)
 
     def _remove_node(self, node: str, reason: str) -> None:
         """Drain or quarantine in a thread: scontrol must not stall the event loop."""
@@ -189,6 +197,12 @@ class MasterServer:
                 master_addr=f"{self.advertised_host}:{self.port}",
                 events=self.events,
             )
+            launcher = SrunLauncher(
+                job_id=os.environ["SLURM_JOB_ID"],
+                job_dir=self.job_dir,
+                master_addr=f"{self.advertised_host}:{self.port}",
+            )
+            self.relauncher = Relauncher(self.job, launcher)
         log.info(
             "master listening host=%s port=%d job_dir=%s",
             self.advertised_host,
@@ -297,8 +311,10 @@ class MasterServer:
         if self._server is None:
             await self.start()
         live = asyncio.create_task(self._liveness())
+        relaunches = asyncio.create_task(self.relauncher.run() if self.relauncher else _idle())
         try:
             await self.job.run()
+            relaunches.cancel()
             if self.replacer is not None:
                 await asyncio.to_thread(self.replacer.cancel_all)
             loop = asyncio.get_running_loop()
@@ -307,6 +323,9 @@ class MasterServer:
                 await asyncio.sleep(0.1)
         finally:
             live.cancel()
+            relaunches.cancel()
+            if self.relauncher is not None:  # relaunched agents that did not hear the end
+                await asyncio.to_thread(self.relauncher.launcher.stop_all)
             await self.close()
         return self.job.exit_code or 0
 
@@ -319,6 +338,10 @@ class MasterServer:
                 await asyncio.wait_for(self._server.wait_closed(), 5)
         for task in list(self._tasks):
             task.cancel()
+
+
+async def _idle() -> None:
+    """No relaunches outside Slurm."""
 
 
 def run_master(config: MasterConfig) -> int:

@@ -21,11 +21,17 @@ M = TypeVar("M", bound=m.Message)
 class MasterClient:
     """Requests carry an id and a timeout; pushes from the master land in :attr:`pushes`."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        pushes: asyncio.Queue[m.Message] | None = None,
+    ) -> None:
         self._reader, self._writer = reader, writer
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[m.Message]] = {}
-        self.pushes: asyncio.Queue[m.Message] = asyncio.Queue()
+        #: shared by the successive connections of a reconnecting caller
+        self.pushes: asyncio.Queue[m.Message] = pushes if pushes is not None else asyncio.Queue()
         self.closed = asyncio.Event()
         self._reader_task = asyncio.create_task(self._read_loop())
 
@@ -38,6 +44,7 @@ class MasterClient:
         token: str,
         timeout_s: float = 10.0,
         link_timeout_s: float | None = DEFAULT_LINK_TIMEOUT_S,
+        pushes: asyncio.Queue[m.Message] | None = None,
     ) -> MasterClient:
         """Connect and authenticate.  ``link_timeout_s``: a master silent for this long (a cut
         link) fails the connection (TCP keepalive, TCP_USER_TIMEOUT); None leaves the kernel's
@@ -52,7 +59,7 @@ class MasterClient:
         except BaseException:
             writer.close()
             raise
-        return cls(reader, writer)
+        return cls(reader, writer, pushes)
 
     async def _read_loop(self) -> None:
         error: BaseException = ConnectionError("connection to the master closed")

@@ -49,6 +49,10 @@ class Join(Message):
     agent_id: str | None = None  # set when an agent re-joins a restarted master
     network_check: bool = False  # --network-check: probe before every (re)start
     exclude_straggler: bool = False
+    #: the command that started this agent and its directory: the master starts it again
+    #: inside the allocation (``srun --overlap -w NODE``) when the agent dies on a healthy node
+    launch_argv: list[str] = dataclasses.field(default_factory=list)
+    launch_cwd: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -93,3 +93,24 @@ def requeue_job(job_id: str, *, run: Runner = run_command, timeout_s: float = 30
     done = run(argv, timeout_s=timeout_s)
     if done.returncode != 0:
         raise SlurmError(f"{shlex.join(argv)} failed: {done.stderr.strip()}")
+
+
+def node_states(
+    nodes: Sequence[str], *, run: Runner = run_command, timeout_s: float = 15.0
+) -> dict[str, str]:
+    """Node -> compact state (``sinfo %t``: ``alloc``, ``mix``, ``idle*``, ``down*``, ``drng``).
+    A ``*`` suffix: the node does not respond."""
+    done = run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"], timeout_s=timeout_s)
+    if done.returncode != 0:
+        raise SlurmError(f"sinfo -n {','.join(nodes)} failed: {done.stderr.strip()}")
+    return parse_node_states(done.stdout)
+
+
+def parse_node_states(text: str) -> dict[str, str]:
+    """``sinfo -h -N -o "%N %t"`` output; a node in several partitions appears once."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            out.setdefault(parts[0], parts[1])
+    return out

@@ -7,6 +7,10 @@ from collections.abc import Mapping
 
 from dlrover_hpc.slurm.hostnames import expand
 
+#: Set by the master on an agent it relaunches in a one-node step (whose SLURM_NODEID is 0):
+#: the node's index in the job's allocation, so the rank order stays the same.
+NODE_ID_ENV = "DLROVER_HPC_SLURM_NODE_ID"
+
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SlurmEnv:
@@ -49,7 +53,7 @@ def parse_slurm_env(env: Mapping[str, str]) -> SlurmEnv | None:
     return SlurmEnv(
         job_id=job_id,
         nodes=tuple(expand(nodelist, source="SLURM_JOB_NODELIST")),
-        node_id=_int(env, "SLURM_NODEID"),
+        node_id=_int(env, NODE_ID_ENV) if env.get(NODE_ID_ENV) else _int(env, "SLURM_NODEID"),
         node_name=env.get("SLURMD_NODENAME") or None,
         proc_id=_int(env, "SLURM_PROCID"),
         local_id=_int(env, "SLURM_LOCALID"),

@@ -328,7 +328,7 @@ class Launcher:
         """Hosts whose agents the master lost: their links may be cut, so nobody waits for
         them (their agents stop on their own once they miss the master)."""
         connected = {
-            n.node for n in server.job.status().nodes if n.state not in ("lost", "excluded")
+            n.node for n in server.agents.status().nodes if n.state not in ("lost", "excluded")
         }
         return {s.name for s in self.sessions if s.node not in connected}
 

@@ -225,6 +225,8 @@ def _capacity(
     now: float = 100.0,
     can_replace: bool = True,
     can_requeue: bool = True,
+    relaunching: int = 0,
+    judging: bool = False,
 ) -> tuple[d.Capacity, list[d.Action]]:
     return d.capacity(
         cap,
@@ -236,6 +238,8 @@ def _capacity(
         min_nodes_timeout_s=30.0,
         can_replace=can_replace,
         can_requeue=can_requeue,
+        relaunching=relaunching,
+        judging=judging,
     )
 
 
@@ -248,6 +252,13 @@ def test_capacity_requests_one_replacement_per_loss_avoiding_held_and_faulty_nod
     assert _capacity(cap, [A, A, A, LOST]) == (cap, [])  # asked once per loss
     cap, actions = _capacity(cap.lost(), [A, A, LOST, LOST])
     assert actions == [d.RequestReplacement(2, ("bad", "n0", "n1"))]
+
+
+def test_capacity_replaces_once_judging_ends_without_a_relaunch() -> None:
+    cap, actions = _capacity(d.Capacity(losses=1), [A, A, A, LOST], judging=True)
+    assert actions == [] and cap.replaced == 0  # the loss is still owed a replacement
+    _, actions = _capacity(cap, [A, A, A, LOST])
+    assert actions == [d.RequestReplacement(1, ("bad", "n0", "n1", "n2"))]
 
 
 def test_refused_replacements_back_off_ask_for_fewer_then_go_on_at_min() -> None:
@@ -290,6 +301,10 @@ def test_refused_replacement_below_min_keeps_asking_for_what_min_needs() -> None
         (d.Capacity(losses=1), [A, A, LOST], {"can_replace": False}, []),
         # The job ended: nothing.
         (d.Capacity(losses=1), [A, LOST], {"phase": Phase.FAILED}, []),
+        # The lost agent's node is being relaunched in the allocation: it counts as alive.
+        (d.Capacity(losses=1), [A, A, A, LOST], {"relaunching": 1}, []),
+        # Lost just now, the allocation not looked at yet: it may be relaunched, so wait.
+        (d.Capacity(losses=1), [A, A, A, LOST], {"judging": True}, []),
     ],
 )
 def test_capacity_quiet_cases(

@@ -107,7 +107,7 @@ def test_first_round_ranks_and_assigns(tmp_path: Path) -> None:
         assert {g.status for g in got.values()} == {m.NodeStatus.ACTIVE}
         assert h.events("rendezvous_complete")[0]["nodes"] == ["n1", "n2"]
         assert Journal(tmp_path / "journal.jsonl").load()["round"] == 1
-        rows = h.job.status().nodes
+        rows = h.agents.status().nodes
         assert [(r.node, r.rank, r.state) for r in rows] == [
             ("n1", 0, NodeState.ACTIVE),
             ("n2", 1, NodeState.ACTIVE),
@@ -335,5 +335,59 @@ def test_a_peer_failure_with_no_node_lost_is_charged_after_the_grace(tmp_path: P
         h.settle(10.0)
         assert h.job.phase is Phase.FAILED
         assert h.events("job_finished")[0]["reason"].endswith("1 restarts are used up")
+
+    run(body)
+
+
+def test_reconnected_agent_keeps_its_place_or_is_readmitted_once_lost(tmp_path: Path) -> None:
+    """Issue 12 item 2: a connection that drops and comes back before the agent is given up
+    changes nothing; after it was lost, the agent comes back as a waiting node
+    (``node_readmitted``) and is admitted at the next rendezvous, with the same agent id."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3", heartbeat_timeout_s=5.0)
+        a, b, c = h.start("n1", "n2", "n3")
+        h.agents.disconnected(c)
+        h.clock.now += 1.0  # within the reconnect grace
+        again = h.agents.join(m.Join(node="n3", addr="n3", nproc=2, agent_id=c))
+        assert again.agent_id == c
+        h.clock.now += 5.0
+        for agent in (a, b, c):
+            h.agents.heartbeat(m.Heartbeat(agent_id=agent, round=1))
+        h.agents.check_liveness()
+        assert h.job.nodes[c].state is NodeState.ACTIVE and h.job.round == 1
+        assert h.events("node_readmitted") == [] and h.events("node_lost") == []
+
+        h.agents.disconnected(c, link_timed_out=True)  # the link is cut: lost at once
+        h.agents.check_liveness()
+        assert h.job.nodes[c].state is NodeState.LOST
+        h.rejoin([a, b])
+        h.settle(2.0)
+        assert h.job.round == 2 and h.events("rendezvous_complete")[-1]["nodes"] == ["n1", "n2"]
+        h.agents.join(m.Join(node="n3", addr="n3", nproc=2, agent_id=c))  # the link is back
+        assert h.job.nodes[c].state is NodeState.WAITING
+        assert [(e["node"], e["agent"]) for e in h.events("node_readmitted")] == [("n3", c)]
+        hb = h.agents.heartbeat(m.Heartbeat(agent_id=c, round=1))
+        assert hb.round == 2  # its old round is over: it stops its workers and waits
+        h.wait(c, after=1)
+        h.job.step()  # running below MAX with a node waiting: scale up
+        h.rejoin([a, b])
+        h.settle(2.0)
+        assert h.job.round == 3
+        assert sorted(h.events("rendezvous_complete")[-1]["nodes"]) == ["n1", "n2", "n3"]
+
+    run(body)
+
+
+def test_a_lost_agent_of_an_excluded_node_is_not_readmitted(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3", heartbeat_timeout_s=5.0)
+        _a, _b, c = h.start("n1", "n2", "n3")
+        h.job.exclude("n3", "failed the network check")
+        h.agents.join(m.Join(node="n3", addr="n3", nproc=2, agent_id=c))
+        assert h.job.nodes[c].state is NodeState.EXCLUDED
+        assert h.events("node_readmitted") == []
+        h.wait(c, after=1)
+        assert h.waits[c].result().status is m.NodeStatus.EXCLUDED
 
     run(body)

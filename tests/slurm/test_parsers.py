@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dlrover_hpc.errors import UsageError
+from dlrover_hpc.errors import SlurmError, UsageError
 from dlrover_hpc.slurm import commands
 from dlrover_hpc.slurm.env import parse_slurm_env
 from dlrover_hpc.slurm.hostnames import collect, expand
@@ -171,3 +171,22 @@ def test_parse_show_node_reason_holding_key_value_words() -> None:
     )
     fields = parse_oneliner(line, free_text_last="Reason")
     assert fields["Reason"].startswith("dlrover-hpc: Xid 79, pid=4242, gpu=0 job 2 [")
+
+
+def test_node_states_from_captured_sinfo() -> None:
+    """``sinfo -h -N -o "%N %t"`` with node3 drained and node4 set down, then just after both
+    were resumed (``*``: not responding yet)."""
+    text = (DATA / "sinfo_node_states.txt").read_text()
+    run, calls = _runner(0, stdout=text)
+    states = commands.node_states(["node1", "node2", "node3", "node4"], run=run)
+    assert states == {"node1": "idle", "node2": "mix", "node3": "drain", "node4": "down"}
+    assert calls == [["sinfo", "-h", "-N", "-n", "node1,node2,node3,node4", "-o", "%N %t"]]
+    resumed = commands.parse_node_states((DATA / "sinfo_node_states_resumed.txt").read_text())
+    assert resumed["node3"] == "idle*"
+
+
+def test_node_states_failure_names_the_command() -> None:
+    # as captured here with no slurm.conf to read
+    run, _ = _runner(1, stderr="sinfo: fatal: Could not establish a configuration source\n")
+    with pytest.raises(SlurmError, match="sinfo -n node1 failed: sinfo: fatal: Could not"):
+        commands.node_states(["node1"], run=run)
