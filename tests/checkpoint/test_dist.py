@@ -49,9 +49,10 @@ assert ck.wait_latest_checkpoint(60)  # committed only with both ranks' parts
 ck.save_checkpoint(2, filled_state(20 + rank), storage_type=StorageType.MEMORY)
 check_filled(ck.load_checkpoint(), 20 + rank)
 out["rank_memory"] = ck.last_restored
-if rank == 1:  # this "node" lost its memory (replaced)
+if rank == 1:  # this rank's memory is lost (removed before any rank looks)
     for b in (0, 1):
         os.unlink(ck.engine.segment_path(b))
+dist.barrier()
 check_filled(ck.load_checkpoint(), 10 + rank)
 out["rank_after_loss"] = ck.last_restored
 ck.close()
@@ -89,6 +90,7 @@ ok = torch.equal(target["w"].to_local(), (full * 3).chunk(2)[rank]) and target["
 out["fsdp_memory"] = [fs.last_restored, bool(ok), target["rep"].tolist()]
 for b in (0, 1):
     os.unlink(fs.engine.segment_path(b))
+dist.barrier()
 target = make(0)
 fs.load_checkpoint(target)
 same = torch.equal(target["w"].to_local(), (full * 3).chunk(2)[rank])

@@ -1,4 +1,6 @@
-"""Pure pieces of the flash checkpoint: file format, naming, decisions, commit bookkeeping."""
+"""Pure pieces of the flash checkpoint: file format, naming, commit bookkeeping.
+
+The restore decision's table is in test_restore_agreement.py."""
 
 from __future__ import annotations
 
@@ -34,13 +36,6 @@ from dlrover_hpc.checkpoint.saver.commits import (
 from dlrover_hpc.checkpoint.saver.segments import HEADER_SIZE, Segment, read_header
 from dlrover_hpc.checkpoint.saver.storage import Storage
 from dlrover_hpc.checkpoint.saver.worker_protocol import decode_request
-from dlrover_hpc.checkpoint.trainer.restore_agreement import (
-    Choice,
-    Holdings,
-    Source,
-    decide,
-    plan_restore,
-)
 from dlrover_hpc.checkpoint.trainer.restored_state import merge_into
 from dlrover_hpc.checkpoint.trainer.tensor_copy import Copier
 from dlrover_hpc.errors import CheckpointError
@@ -172,65 +167,6 @@ def test_unpicklable_state_is_a_checkpoint_error() -> None:
         pickle_state({"sparse": torch.eye(3).to_sparse()})
 
 
-@pytest.mark.parametrize(
-    ("mem_max", "mem_min", "all_hold", "committed", "expected"),
-    [
-        (10, 10, True, 5, (Source.MEMORY, 10)),  # every rank holds the same newest step
-        (10, 10, True, 10, (Source.MEMORY, 10)),  # memory as new as storage: memory is faster
-        (12, 10, True, 5, (Source.MEMORY, 10)),  # slowest rank's newest step held by all
-        (12, 10, False, 5, (Source.STORAGE, 5)),  # ranks disagree: storage
-        (10, 10, True, 15, (Source.STORAGE, 15)),  # storage is newer (memory lost a step)
-        (10, -1, False, 5, (Source.STORAGE, 5)),  # a rank has nothing in memory (new node)
-        (-1, -1, False, -1, (Source.NONE, -1)),
-        (3, 3, True, -1, (Source.MEMORY, 3)),
-    ],
-)
-def test_decide(
-    mem_max: int, mem_min: int, all_hold: bool, committed: int, expected: tuple[Source, int]
-) -> None:
-    assert (
-        decide(mem_max=mem_max, mem_min=mem_min, all_hold_min=all_hold, committed_max=committed)
-        == expected
-    )
-
-
-def _held(memory: dict[int, int], committed: int, token: int = 7) -> Holdings:
-    return Holdings(memory=memory, newest_committed=committed, token=token)
-
-
-@pytest.mark.parametrize(
-    ("ranks", "expected"),
-    [
-        # every rank holds the newest step of one save: memory, storage as the fallback
-        ([_held({9: 7, 10: 7}, 5), _held({9: 7, 10: 7}, 5)], (Source.MEMORY, 10, 5)),
-        # one rank's segments are gone (a replaced node): storage for every rank
-        ([_held({9: 7, 10: 7}, 5), _held({}, 5)], (Source.STORAGE, 5, 5)),
-        # one rank lost its newest buffer: the newest step all of them hold
-        ([_held({9: 7, 10: 7}, 5), _held({9: 7}, 5)], (Source.MEMORY, 9, 5)),
-        # the ranks hold the step from two different saves: never combined
-        ([_held({10: 7}, 5), _held({10: 8}, 5)], (Source.STORAGE, 5, 5)),
-        # storage is newer; ranks that see different newest records start at the older one
-        ([_held({10: 7}, 15), _held({10: 7}, 12)], (Source.STORAGE, 12, 12)),
-        ([_held({}, -1), _held({}, -1)], (Source.NONE, -1, -1)),
-        ([_held({3: 7}, -1)], (Source.MEMORY, 3, -1)),
-    ],
-)
-def test_plan_restore_is_one_choice_for_all_ranks(
-    ranks: list[Holdings], expected: tuple[Source, int, int]
-) -> None:
-    source, step, storage_step = expected
-    choice = plan_restore(ranks)
-    assert choice == Choice(source=source, step=step, token=7, storage_step=storage_step)
-    assert plan_restore(list(reversed(ranks))) == choice  # rank order does not matter
-
-
-def test_holdings_travel_as_fixed_length_integers() -> None:
-    held = Holdings(memory={4: 1 << 55, 6: 3}, newest_committed=2, token=9)
-    assert len(held.encode()) == len(Holdings(memory={}, newest_committed=-1, token=0).encode())
-    assert Holdings.decode(held.encode()) == held
-    assert plan_restore([_held({}, 1, token=3), _held({}, 1, token=9)]).token == 9
-
-
 def test_merge_copies_into_matching_targets_and_clones_the_rest() -> None:
     src = {"a": torch.ones(3), "b": [torch.full((2,), 2.0), 5], "c": torch.zeros(4)}
     target = {"a": torch.empty(3), "b": [torch.empty(2)], "c": torch.empty(5)}
@@ -343,11 +279,13 @@ def test_commit_counter_forgets_parts_of_an_older_generation() -> None:
     assert LocalCommitCoordinator is CommitCounter  # the public name of the in-process counter
 
 
-def test_store_coordinator_counts_each_rank_once_per_generation() -> None:
+def test_store_coordinator_counts_each_rank_once_per_generation_and_path() -> None:
     coord = StoreCommitCoordinator(torch.distributed.HashStore(), namespace="g1")
     assert not coord.part_durable(step=1, ranks=[0], world_size=2, path="p")
     assert not coord.part_durable(step=1, ranks=[0], world_size=2, path="p")  # duplicate
     assert coord.part_durable(step=1, ranks=[1], world_size=2, path="p")
+    assert not coord.part_durable(step=1, ranks=[0], world_size=2, path="q")  # another dir
+    assert coord.part_durable(step=1, ranks=[1], world_size=2, path="q")
     coord.namespace = "g2"  # a new worker generation starts counting afresh
     assert not coord.part_durable(step=1, ranks=[1], world_size=2, path="p")
 

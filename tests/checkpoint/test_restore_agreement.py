@@ -1,13 +1,20 @@
-"""Two real ranks (gloo): memory or storage is one decision all ranks make together.
+"""The restore decision, pure and table-driven; then two real ranks (gloo) falling back
+together.
 
-One rank's shared memory is lost (segments removed) or unreadable (its meta no longer matches
-the model: the read fails before, or inside, DCP's collectives).  Every rank must then load
-the same step from storage, nobody hangs, and the job goes on saving and restoring from
-memory again.
+The table: which step, from where, and who sends which rank its part (`plan_restore`), after
+the membership changes of issue 12 (a node lost, a new node, ranks moved between nodes).
+
+The processes: one rank's shared memory is lost (segments removed) or unreadable (its meta no
+longer matches the model: the read fails before, or inside, DCP's collectives).  Every rank
+must then load the same step from storage, nobody hangs, and the job goes on saving and
+restoring from memory again.  (Membership changes with real processes:
+test_membership_restore.py.)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import os
 import socket
@@ -20,9 +27,140 @@ from pathlib import Path
 import pytest
 
 from dlrover_hpc.checkpoint.testing import remove_job_segments
+from dlrover_hpc.checkpoint.trainer.restore_agreement import (
+    Choice,
+    Holdings,
+    Part,
+    Source,
+    plan_restore,
+)
 
 pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _part(step: int, part: int = 0, parts: int = 1, save: int = 7) -> Part:
+    return Part(step=step, token=save, part=part, parts=parts, nbytes=100 + part)
+
+
+_COPIES = itertools.count(1)
+
+
+def _rank(
+    *memory: Part, committed: int = 5, need: tuple[int, int] = (0, 1), token: int = 7
+) -> Holdings:
+    """A rank's holdings; each copy of a part has its own size, as in real segments (their
+    meta differs: pid, time), so a transfer must carry its sender's size."""
+    copies = tuple(dataclasses.replace(p, nbytes=p.nbytes + 1000 * next(_COPIES)) for p in memory)
+    return Holdings(memory=copies, newest_committed=committed, token=token, need=need)
+
+
+def _sharded(world: int, *held: tuple[Part, ...], committed: int = 5) -> list[Holdings]:
+    """Rank r of `world` needs part r of `world` and holds `held[r]`."""
+    return [_rank(*parts, committed=committed, need=(r, world)) for r, parts in enumerate(held)]
+
+
+M, P, S, N = Source.MEMORY, Source.PEER, Source.STORAGE, Source.NONE
+DDP_10 = _part(10)
+
+#: (label, every rank's holdings, (each rank's source, step, save), transfers (src, dst, part))
+PLANS = [
+    # replicated (DDP) state: one copy anywhere serves every rank
+    ("ddp_unchanged", [_rank(DDP_10), _rank(DDP_10)], ([M, M], 10, 7), []),
+    ("ddp_new_node", [_rank(DDP_10), _rank()], ([M, P], 10, 7), [(0, 1, 0)]),
+    (
+        "ddp_new_node_with_2_ranks_draws_on_both_holders",
+        [_rank(DDP_10), _rank(DDP_10), _rank(), _rank()],
+        ([M, M, P, P], 10, 7),
+        [(0, 2, 0), (1, 3, 0)],
+    ),
+    (  # a newer step from a peer beats an older one every rank holds
+        "ddp_one_node_lost_its_newest_buffer",
+        [_rank(_part(9), DDP_10), _rank(_part(9))],
+        ([M, P], 10, 7),
+        [(0, 1, 0)],
+    ),
+    ("ddp_memory_as_new_as_storage", [_rank(DDP_10, committed=10)], ([M], 10, 7), []),
+    ("ddp_storage_is_newer", [_rank(DDP_10, committed=12), _rank()], ([S, S], 5, -1), []),
+    ("ddp_nobody_holds_it", [_rank(), _rank(committed=4)], ([S, S], 4, -1), []),
+    ("nothing_anywhere", [_rank(committed=-1), _rank(committed=-1)], ([N, N], -1, -1), []),
+    (  # two saves of step 10 (a rollback saved it again): one of them, never both
+        "ddp_two_saves_of_one_step",
+        [_rank(_part(10, save=7)), _rank(_part(10, save=8))],
+        ([P, M], 10, 8),
+        [(1, 0, 0)],
+    ),
+    # sharded state: every rank's part must survive, in a world of the size that saved it
+    (
+        "sharded_unchanged",
+        _sharded(2, (_part(10, 0, 2),), (_part(10, 1, 2),)),
+        ([M, M], 10, 7),
+        [],
+    ),
+    (
+        "sharded_nodes_swapped_ranks",
+        _sharded(2, (_part(10, 1, 2),), (_part(10, 0, 2),)),
+        ([P, P], 10, 7),
+        [(1, 0, 0), (0, 1, 1)],
+    ),
+    (  # a node holds an earlier world's part besides its own; a new node lacks its part
+        "sharded_new_node_gets_its_part_from_the_node_that_kept_it",
+        _sharded(3, (_part(10, 0, 3), _part(10, 2, 3)), (_part(10, 1, 3),), ()),
+        ([M, M, P], 10, 7),
+        [(0, 2, 2)],
+    ),
+    ("sharded_part_lost_with_its_node", _sharded(2, (_part(10, 0, 2),), ()), ([S, S], 5, -1), []),
+    (
+        "sharded_world_shrank_3_to_2",
+        _sharded(2, (_part(10, 0, 3),), (_part(10, 1, 3),)),
+        ([S, S], 5, -1),
+        [],
+    ),
+    (
+        "sharded_one_rank_lacks_the_newest_step",
+        _sharded(2, (_part(9, 0, 2), _part(10, 0, 2)), (_part(9, 1, 2),)),
+        ([M, M], 9, 7),
+        [],
+    ),
+    (
+        "sharded_parts_of_two_saves_never_mix",
+        _sharded(2, (_part(10, 0, 2, save=7),), (_part(10, 1, 2, save=8),)),
+        ([S, S], 5, -1),
+        [],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("ranks", "expected", "transfers"),
+    [pytest.param(ranks, expected, sends, id=label) for label, ranks, expected, sends in PLANS],
+)
+def test_plan_restore_after_membership_changes(
+    ranks: list[Holdings],
+    expected: tuple[list[Source], int, int],
+    transfers: list[tuple[int, int, int]],
+) -> None:
+    sources, step, save = expected
+    choice = plan_restore(ranks)
+    assert [choice.source_of(r) for r in range(len(ranks))] == sources
+    assert (choice.step, choice.save) == (step, save)
+    assert [(t.src, t.dst, t.part) for t in choice.transfers] == transfers
+    for t in choice.transfers:  # the sender holds exactly what the receiver needs
+        held = {p.key: p for p in ranks[t.src].memory}[(step, save, t.part, t.parts)]
+        assert (t.part, t.parts) == ranks[t.dst].need and t.nbytes == held.nbytes
+    assert choice.storage_step == min(h.newest_committed for h in ranks)
+    # every rank computes the same plan from the same gathered values
+    assert plan_restore([Holdings.decode(h.encode()) for h in ranks]) == choice
+
+
+def test_holdings_travel_as_integers_padded_to_the_longest() -> None:
+    held = _rank(_part(4, save=1 << 55), _part(6, 1, 3, save=3), committed=2, need=(1, 3))
+    assert Holdings.decode(held.encode()) == held
+    assert Holdings.decode([*_rank().encode(), -1, -1, -1, -1, -1]) == _rank()
+    assert plan_restore([_rank(committed=1, token=3), _rank(committed=1, token=9)]) == Choice(
+        source=Source.STORAGE, step=1, token=9, storage_step=1
+    )
+
 
 PREAMBLE = """
 import json, os, sys
@@ -147,8 +285,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_two_ranks(tmp_path: Path, body: str, *, own_nodes: bool) -> list[list[object]]:
-    """Runs `body` on two gloo ranks; each rank is its own node when `own_nodes`."""
+def _run_two_ranks(tmp_path: Path, body: str, *, own_nodes: bool) -> list[list[list[object]]]:
+    """Runs `body` on two gloo ranks (each its own node when `own_nodes`); returns what each
+    rank restored, after checking that both restored the same steps."""
     job = f"a{uuid.uuid4().hex[:10]}"
     script = tmp_path / "rank.py"
     text = PREAMBLE.format(repo=str(REPO), root=str(tmp_path)) + body.format()
@@ -189,24 +328,34 @@ def _run_two_ranks(tmp_path: Path, body: str, *, own_nodes: bool) -> list[list[o
     assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-3000:] for e in errors)
     assert not leaked, f"segments left behind: {leaked}"
     outs = [json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(2)]
-    assert outs[0] == outs[1], f"the ranks restored differently: {outs}"
-    return outs[0]
+    steps = [[(label, restored[0]) for label, restored, _ in out] for out in outs]
+    assert steps[0] == steps[1], f"the ranks restored different steps: {outs}"
+    return outs
 
 
 def test_fsdp_ranks_fall_back_to_storage_together(tmp_path: Path) -> None:
     pytest.importorskip("numpy", reason="multi-rank torch.distributed.checkpoint needs numpy")
-    assert _run_two_ranks(tmp_path, FSDP_SCRIPT, own_nodes=False) == [
-        ["one_rank_lost_memory", [3, "storage"], True],
+    expected = [
+        ["one_rank_lost_memory", [3, "storage"], True],  # its part is nowhere else
         ["memory_again", [4, "memory"], True],
         ["unreadable_before_dcp", [3, "storage"], True],
         ["unreadable_inside_dcp", [3, "storage"], True],
         ["job_goes_on", [6, "memory"], True],
     ]
+    assert _run_two_ranks(tmp_path, FSDP_SCRIPT, own_nodes=False) == [expected, expected]
 
 
-def test_ddp_nodes_fall_back_to_storage_together(tmp_path: Path) -> None:
-    assert _run_two_ranks(tmp_path, DDP_SCRIPT, own_nodes=True) == [
+def test_ddp_nodes_fall_back_together_or_take_a_peers_copy(tmp_path: Path) -> None:
+    """A copy that fails to load sends every rank to storage; a lost copy is replaced by the
+    other node's (the state is replicated), sent over the process group."""
+    rank0, rank1 = _run_two_ranks(tmp_path, DDP_SCRIPT, own_nodes=True)
+    assert rank0 == [
         ["unreadable_on_one_node", [2, "storage"], True],
-        ["one_node_lost_memory", [2, "storage"], True],
+        ["one_node_lost_memory", [2, "memory"], True],
+        ["memory_again", [3, "memory"], True],
+    ]
+    assert rank1 == [
+        ["unreadable_on_one_node", [2, "storage"], True],
+        ["one_node_lost_memory", [2, "peer"], True],
         ["memory_again", [3, "memory"], True],
     ]

@@ -58,7 +58,8 @@ class StoreCommitCoordinator:
 
     Used by the in-process saver under plain torchrun, where there is no master (the trainer
     side connects the store: `saver_connection.store_coordinator_from_env`).  Keys are
-    scoped by `namespace`, the worker generation, so parts of an older incarnation never count.
+    scoped by `namespace`, the worker generation, so parts of an older incarnation never count,
+    and by the step's path, so two checkpointers of one job (two directories) count apart.
     """
 
     def __init__(self, store: Any, *, namespace: str = "0") -> None:
@@ -66,7 +67,7 @@ class StoreCommitCoordinator:
         self.namespace = namespace
 
     def part_durable(self, *, step: int, ranks: Sequence[int], world_size: int, path: str) -> bool:
-        base = f"dlrover-hpc/ckpt/{self.namespace}/{step}"
+        base = f"dlrover-hpc/ckpt/{self.namespace}/{path}/{step}"
         new = sum(1 for r in ranks if int(self._store.add(f"{base}/r{r}", 1)) == 1)
         if not new:
             return False

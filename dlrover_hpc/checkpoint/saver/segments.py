@@ -60,6 +60,8 @@ class Header:
     image_len: int
     written_at: float
     meta: dict[str, Any]
+    #: the bytes of the segment the step covers: header, image and meta
+    size: int = 0
 
 
 def read_header(buf: Any) -> Header | None:
@@ -85,7 +87,14 @@ def read_header(buf: Any) -> Header | None:
         return None
     if meta.get("step") != step:
         return None
-    return Header(step=step, seq=seq, image_len=image_len, written_at=at, meta=meta)
+    return Header(
+        step=step,
+        seq=seq,
+        image_len=image_len,
+        written_at=at,
+        meta=meta,
+        size=meta_off + meta_len,
+    )
 
 
 def meta_offset(image_len: int) -> int:

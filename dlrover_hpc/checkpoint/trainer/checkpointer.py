@@ -1,13 +1,15 @@
 """What every checkpointer shares: its engine, failure reporting, the agreed restore, waiting.
 
 `DdpCheckpointer`, `RankCheckpointer` and `FsdpShardCheckpointer` differ in how a step is laid
-out and loaded; they tell `CheckpointerBase` how to prepare a load of one step from memory or
-from storage, and it runs the restore every rank agrees on (`restore_agreement`): one source
-and one step for all ranks, stepping back together when any rank cannot load it.
+out and loaded; they tell `CheckpointerBase` how to prepare a load of one step from a step's
+bytes in memory or from storage, and it runs the restore every rank agrees on
+(`restore_agreement`): one step for all ranks, each from its node's memory, a peer's memory
+(`peer_transfer`) or storage, stepping back together when any rank cannot load it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -18,16 +20,20 @@ import torch
 from dlrover_hpc.checkpoint.api import EventSink, PartKind
 from dlrover_hpc.checkpoint.env import WorkerEnv
 from dlrover_hpc.checkpoint.saver.commit_records import CommitRecord
-from dlrover_hpc.checkpoint.trainer.engine import Engine, MemoryStep
+from dlrover_hpc.checkpoint.trainer.engine import Engine
 from dlrover_hpc.checkpoint.trainer.gpu_staging import close_later
+from dlrover_hpc.checkpoint.trainer.memory_step import MemoryStep
+from dlrover_hpc.checkpoint.trainer.peer_transfer import Outgoing, exchange, received_step
 from dlrover_hpc.checkpoint.trainer.restore_agreement import (
     Agreement,
+    Choice,
     Holdings,
     Load,
     Source,
     choose,
     restore_agreed,
 )
+from dlrover_hpc.checkpoint.trainer.restored_state import StepBytes
 from dlrover_hpc.checkpoint.trainer.saver_connection import SaverLink
 from dlrover_hpc.errors import CheckpointError
 from dlrover_hpc.events import EventName
@@ -67,7 +73,7 @@ class CheckpointerBase:
             link=link,
             device_snapshot=device_snapshot,
         )
-        #: (step, "memory" | "storage") of the last successful load_checkpoint()
+        #: (step, "memory" | "peer" | "storage") of the last successful load_checkpoint()
         self.last_restored: tuple[int, str] | None = None
 
     @property
@@ -98,32 +104,34 @@ class CheckpointerBase:
     # ------------------------------------------------------------------------ restoring
     def _load_agreed(
         self,
-        from_memory: Callable[[MemoryStep], Load],
+        from_memory: Callable[[StepBytes], Load],
         from_storage: Callable[[CommitRecord], Load],
         *,
         memory: bool = True,
     ) -> tuple[Source, int, Any]:
-        """The state of the step every rank agrees on, with its source and step; (NONE, -1,
-        None) when there is none.  Every rank must call it.
+        """The state of the step every rank agrees on, with this rank's source and the step;
+        (NONE, -1, None) when there is none.  Every rank must call it.
 
         `from_memory` / `from_storage` do this rank's local part of a load (map, verify; it
         raises when this rank cannot load that step) and return the load proper, which may be
-        collective: it runs only once every rank has prepared the same step."""
+        collective: it runs only once every rank has prepared the same step.  `from_memory`
+        gets the bytes of this rank's part: a segment of its node, or a peer's copy."""
         engine = self._engine
-        in_memory = engine.memory_steps() if memory else {}
+        held = {ms.key: ms for ms in (engine.memory_parts() if memory else [])}
         records = {r.step: r for r in engine.cdir.records()}
         agreement = Agreement()
         mine = Holdings(
-            memory={step: ms.token for step, ms in in_memory.items()},
+            memory=tuple(ms.as_part() for ms in held.values()),
             newest_committed=max(records, default=-1),
             token=engine.token,
+            need=engine.need,
         )
         choice = choose(agreement, mine)
         engine.set_token(choice.token)
 
         def prepare(source: Source, step: int) -> Load:
-            if source == Source.MEMORY:
-                return from_memory(in_memory[step])
+            if source != Source.STORAGE:
+                return self._prepare_memory(agreement, choice, held, from_memory)
             record = records.get(step)
             if record is None:
                 raise CheckpointError(f"no commit record for step {step} on this rank")
@@ -132,12 +140,43 @@ class CheckpointerBase:
         try:
             source, step, result = restore_agreed(agreement, choice, records, prepare)
         finally:
-            for ms in in_memory.values():  # another rank's segments (the DDP node leader's)
+            for ms in held.values():  # other ranks' segments (the DDP node leader's, a peer's)
                 if ms.segment.path != engine.segment_path(ms.buffer):
                     close_later(ms.segment)
         if source == Source.MEMORY:
-            engine.persist_restored(in_memory[step], records)
+            engine.persist_restored(held[(step, choice.save, *engine.need)], records)
         return source, step, result
+
+    def _prepare_memory(
+        self,
+        agreement: Agreement,
+        choice: Choice,
+        held: dict[tuple[int, int, int, int], MemoryStep],
+        from_memory: Callable[[StepBytes], Load],
+    ) -> Load:
+        """This rank's try of the memory step: its part from its node's segment, or (when it
+        lacks it) received from a peer in the load proper, after every rank has prepared; and
+        the parts it sends to the ranks that lack them, in the same load."""
+        engine = self._engine
+        step, save = choice.step, choice.save
+        fetch = choice.fetch(agreement.rank)
+        local = from_memory(held[(step, save, *engine.need)]) if fetch is None else None
+        sends = [(t, held[(step, save, t.part, t.parts)]) for t in choice.sends(agreement.rank)]
+
+        def load() -> tuple[Any, int]:
+            with contextlib.ExitStack() as reading:
+                for _, ms in sends:
+                    reading.enter_context(ms.reading())
+                outgoing = [Outgoing(transfer=t, buf=ms.buf) for t, ms in sends]
+                data = exchange(agreement, outgoing, fetch)
+            if fetch is None:
+                assert local is not None
+                return local()
+            kind = engine.kind.value
+            part = received_step(data, want=fetch, step=step, save=save, kind=kind)
+            return from_memory(part)()
+
+        return load
 
     def _report_restored(
         self, source: Source, step: int, t0: float, device: torch.device | None = None

@@ -1,8 +1,8 @@
 """torch.distributed.checkpoint StorageReaders: a rank's own segment, or persisted files.
 
-`ShmStorageReader` reads a rank's items straight from its segment (same world size and
-sharding); `VerifyingFileReader` reads a persisted DCP directory through fsspec and checks
-every tensor's CRC-32 first.
+`ShmStorageReader` reads a rank's items straight from its segment, or from a peer's copy of
+it (same world size and sharding); `VerifyingFileReader` reads a persisted DCP directory
+through fsspec and checks every tensor's CRC-32 first.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from dlrover_hpc.checkpoint.formats.dcp_layout import (
 )
 from dlrover_hpc.checkpoint.formats.torchfile import buffer_view, dtype_from_name
 from dlrover_hpc.checkpoint.formats.torchfile_reader import views_from_file
-from dlrover_hpc.checkpoint.saver.segments import HEADER_SIZE, Header, Segment
+from dlrover_hpc.checkpoint.saver.segments import HEADER_SIZE
 from dlrover_hpc.checkpoint.saver.storage import Storage
+from dlrover_hpc.checkpoint.trainer.restored_state import StepBytes
 from dlrover_hpc.errors import CheckpointError
 
 
@@ -68,13 +69,14 @@ class _ReaderBase(StorageReader):
 
 
 class ShmStorageReader(_ReaderBase):
-    """Reads a rank's own items straight from its segment (same world size and sharding)."""
+    """Reads a rank's own items straight from its segment's bytes (same world size and
+    sharding)."""
 
-    def __init__(self, segment: Segment, header: Header) -> None:
+    def __init__(self, held: StepBytes) -> None:
         super().__init__()
-        self.segment = segment
-        self.header = header
-        restore = header.meta["restore"]
+        self.held = held
+        self.header = held.header
+        restore = self.header.meta["restore"]
         self._items = {row[0]: row for row in restore["items"]}
         self._metadata = metadata_from_restore(restore)
 
@@ -82,9 +84,9 @@ class ShmStorageReader(_ReaderBase):
         return self._metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        mm = self.segment.mm
+        mm = self.held.buf
         if mm is None:
-            raise CheckpointError(f"{self.segment.path} is not mapped")
+            raise CheckpointError(f"{self.held.name} is not mapped")
         for req in plan.items:
             row = self._items.get(item_key(req.storage_index))
             if row is None:

@@ -9,7 +9,6 @@ event) and of a restore (the complete steps held in memory, the generation token
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import json
 import logging
 import os
@@ -23,10 +22,11 @@ from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
 from dlrover_hpc.checkpoint.env import WorkerEnv, segment_name
 from dlrover_hpc.checkpoint.event_sinks import JsonlEventSink
 from dlrover_hpc.checkpoint.saver.commit_records import CheckpointDir
-from dlrover_hpc.checkpoint.saver.segments import Header, Segment
+from dlrover_hpc.checkpoint.saver.segments import Header, Segment, list_segments
 from dlrover_hpc.checkpoint.saver.storage import Storage
 from dlrover_hpc.checkpoint.trainer.cuda import SnapshotPolicy
 from dlrover_hpc.checkpoint.trainer.gpu_staging import DeferredSaves, HostPinner
+from dlrover_hpc.checkpoint.trainer.memory_step import MemoryStep
 from dlrover_hpc.checkpoint.trainer.saver_connection import SaverLink, connect
 from dlrover_hpc.checkpoint.trainer.segment_pair import SegmentPair
 from dlrover_hpc.checkpoint.trainer.tensor_copy import Copier
@@ -34,22 +34,6 @@ from dlrover_hpc.errors import CheckpointError
 from dlrover_hpc.events import EventName
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class MemoryStep:
-    """A complete step found in a segment."""
-
-    step: int
-    buffer: int
-    segment: Segment
-    header: Header
-
-    @property
-    def token(self) -> int:
-        """The generation token of the save that wrote it (-1 when the meta lacks it)."""
-        token = self.header.meta.get("token")
-        return token if isinstance(token, int) else -1
 
 
 class Engine:
@@ -95,6 +79,8 @@ class Engine:
         #: the on-device snapshot and drain thread of saves that return early (GPU state)
         self.deferred = DeferredSaves(SnapshotPolicy.from_env(device_snapshot))
         self.last_disk_step: int | None = None
+        #: no segment of an earlier world's ranks is left on this node (leader)
+        self._no_earlier_world = False
         #: segments of other ranks opened for a restore and pinned ahead of it (DDP leader's)
         self._readers: dict[str, Segment] = {}
         self._closed = False
@@ -154,6 +140,7 @@ class Engine:
         (`blocking_s`: training was held; `total_s`: until the step was whole in memory)."""
         ok = True
         self.buffers.prepare_second(seg.size, device)
+        self.drop_earlier_worlds_segments()
         if storage_type == StorageType.DISK:
             self.last_disk_step = step
             if self.persists:
@@ -175,6 +162,44 @@ class Engine:
             total_s=round(blocking_s if total_s is None else total_s, 6),
         )
         return ok
+
+    def drop_earlier_worlds_segments(self) -> list[str]:
+        """Removes this node's segments that ranks of an earlier world saved here (names of
+        ranks not on this node now), once the node leader's two buffers both hold newer
+        steps: a restore takes the newest step whose parts survive, so they would serve only
+        if this world's saves had failed twice (storage then).  Until then they may be all
+        that holds the last step in memory; after that they would only fill the node's
+        memory and hide this node's current steps from the agent's persist-on-failure."""
+        if self.env.local_rank != 0 or self._no_earlier_world:
+            return []
+        width = 1 if self.kind == PartKind.DDP else self.env.local_world_size  # who writes
+        here = range(self.env.rank, self.env.rank + width)
+        earlier = [
+            name
+            for name in list_segments(self.link.shm_dir, self.link.prefix)
+            if name.rank not in here and name.path == self.segment_path(name.buffer, rank=name.rank)
+        ]
+        self._no_earlier_world = not earlier  # none appear later in this world: stop looking
+        own = [seg.header() if seg is not None else None for seg in self.buffers.segments]
+        if not earlier or None in own:
+            return []
+        oldest = min(h.step for h in own if h is not None)
+        removed = []
+        for name in earlier:
+            try:
+                seg = Segment(name.path, writable=False)
+                try:
+                    header = seg.header()
+                finally:
+                    seg.close()
+                if header is None or header.step < oldest:
+                    os.unlink(name.path)
+                    removed.append(name.path)
+            except OSError as exc:  # gone already, or not ours
+                logger.debug("checkpoint drop_segment_skipped path=%s error=%s", name.path, exc)
+        if removed:
+            logger.info("checkpoint earlier_world_segments_removed count=%d", len(removed))
+        return removed
 
     def wait_pending(self) -> None:
         """Until the last deferred save (GPU snapshot drain) is in its segment."""
@@ -213,33 +238,57 @@ class Engine:
         self.buffers.warm_in_background(segments, device)
 
     # ------------------------------------------------------------------------ restoring
-    def memory_steps(self) -> dict[int, MemoryStep]:
-        """Complete steps held in this rank's segments (the node leader's for DDP).
+    def memory_parts(self) -> list[MemoryStep]:
+        """The complete steps held in this node's segments of this checkpointer (job, tag,
+        kind): this rank's own and those other ranks saved on this node, in this world or an
+        earlier one.  After ranks moved between nodes, the part a rank needs, or one it can
+        send to a peer, may sit under another rank's name (segments are named by the rank
+        that saved them; DDP's by the node leader then).
 
         Does not wait for segments being page-locked in the background: a restore copies
         from them as they are (registering costs more than it saves for one copy)."""
         self.wait_pending()
-        rank = self._restore_rank()
-        found: dict[int, MemoryStep] = {}
-        for buffer in (0, 1):
-            if rank == self.env.rank:
-                seg = self.buffers.existing(buffer)
-            else:
-                seg = self._reader(self.segment_path(buffer, rank=rank))
+        found: list[MemoryStep] = []
+        mine = [self.buffers.existing(b) for b in (0, 1)]  # drops mappings of removed files
+        for name in list_segments(self.link.shm_dir, self.link.prefix):
+            path = self.segment_path(name.buffer, rank=name.rank)
+            if name.path != path:  # another checkpointer's (tag)
+                continue
+            seg = mine[name.buffer] if name.rank == self.env.rank else self._reader(path)
             if seg is None or not seg.try_lock(exclusive=False):
                 continue
             try:
                 header = seg.header()
             finally:
                 seg.unlock()
-            if header is None or not self._usable(header):
+            part = self._part_of(header, name.rank) if header is not None else None
+            if header is None or part is None:
                 continue
-            found[header.step] = MemoryStep(
-                step=header.step, buffer=buffer, segment=seg, header=header
+            found.append(
+                MemoryStep(
+                    step=header.step,
+                    buffer=name.buffer,
+                    segment=seg,
+                    header=header,
+                    part=part[0],
+                    parts=part[1],
+                )
             )
-        if rank == self.env.rank and found:
-            self.buffers.newest = found[max(found)].buffer
+        own = [ms for ms in found if ms.segment.path == self.segment_path(ms.buffer)]
+        if own:  # the next save goes to the other buffer
+            self.buffers.newest = max(own, key=lambda ms: ms.step).buffer
         return found
+
+    def memory_steps(self) -> dict[int, MemoryStep]:
+        """Step -> a segment of this node holding the part this rank needs of it."""
+        return {ms.step: ms for ms in self.memory_parts() if (ms.part, ms.parts) == self.need}
+
+    @property
+    def need(self) -> tuple[int, int]:
+        """The part this rank restores and how many parts a step has in this world."""
+        if self.kind == PartKind.DDP:
+            return (0, 1)
+        return (self.env.rank, self.env.world_size)
 
     def _restore_rank(self) -> int:
         """Whose segments this rank restores from: its own, or its node leader's for DDP."""
@@ -265,16 +314,25 @@ class Engine:
             except FileNotFoundError:
                 return None
 
-    def _usable(self, header: Header) -> bool:
+    def _part_of(self, header: Header, rank: int) -> tuple[int, int] | None:
+        """(part, parts) of a segment's step, None when it is not this checkpointer's kind:
+        (0, 1) for DDP (every copy is the whole state), else (saving rank, its world)."""
         meta = header.meta
         if meta.get("kind") != self.kind.value:
-            return False
-        return self.kind == PartKind.DDP or meta.get("world_size") == self.env.world_size
+            return None
+        if self.kind == PartKind.DDP:
+            return (0, 1)
+        world = meta.get("world_size")
+        if meta.get("rank") != rank or not isinstance(world, int):
+            return None
+        return (rank, world)
 
     def persist_restored(self, ms: MemoryStep, records: dict[int, Any]) -> None:
         """Persists a step restored from memory that a dead process saved and nobody persisted
         (no agent); with an agent, `SaverHost.persist_latest` did it before the restart."""
         if not self.link.in_process or not self.persists or not self.writes_memory:
+            return
+        if ms.segment.path != self.segment_path(ms.buffer):  # another rank saved it
             return
         if ms.header.meta.get("pid") == os.getpid() or max(records, default=-1) >= ms.step:
             return

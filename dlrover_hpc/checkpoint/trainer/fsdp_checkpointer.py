@@ -27,8 +27,8 @@ from dlrover_hpc.checkpoint.saver.segments import HEADER_SIZE, Segment
 from dlrover_hpc.checkpoint.trainer.checkpointer import CheckpointerBase
 from dlrover_hpc.checkpoint.trainer.dcp_readers import ShmStorageReader, VerifyingFileReader
 from dlrover_hpc.checkpoint.trainer.dcp_writer import ShmStorageWriter
-from dlrover_hpc.checkpoint.trainer.engine import MemoryStep
 from dlrover_hpc.checkpoint.trainer.restore_agreement import Load, Source
+from dlrover_hpc.checkpoint.trainer.restored_state import StepBytes
 from dlrover_hpc.checkpoint.trainer.saver_connection import SaverLink
 from dlrover_hpc.errors import CheckpointError
 
@@ -145,12 +145,12 @@ class FsdpShardCheckpointer(CheckpointerBase):
 
     # ------------------------------------------------------------------------ loading
     def get_storage_reader(self) -> Any:
-        """A DCP StorageReader for the newest consistent step (memory or storage), or None.
-        Every rank must call it (the ranks agree on the source and step)."""
+        """A DCP StorageReader for the newest consistent step (memory, a peer's memory or
+        storage), or None.  Every rank must call it (the ranks agree on the step)."""
 
-        def from_memory(ms: MemoryStep) -> Load:
-            reader = ShmStorageReader(ms.segment, ms.header)
-            return lambda: (reader, ms.token)
+        def from_memory(held: StepBytes) -> Load:
+            reader = ShmStorageReader(held)
+            return lambda: (reader, held.token)
 
         def from_storage(record: CommitRecord) -> Load:
             reader = VerifyingFileReader(self._engine.storage, record.path, verify=self.verify)
@@ -163,9 +163,9 @@ class FsdpShardCheckpointer(CheckpointerBase):
         returns it; {} when there is no checkpoint.  Every rank must call it."""
         t0 = time.perf_counter()
 
-        def from_memory(ms: MemoryStep) -> Load:
-            reader = ShmStorageReader(ms.segment, ms.header)
-            return lambda: (_dcp_load(state_dict, reader), ms.token)
+        def from_memory(held: StepBytes) -> Load:
+            reader = ShmStorageReader(held)
+            return lambda: (_dcp_load(state_dict, reader), held.token)
 
         def from_storage(record: CommitRecord) -> Load:
             reader = VerifyingFileReader(self._engine.storage, record.path, verify=self.verify)

@@ -1,30 +1,43 @@
-"""Restore agreement: every rank restores the same step from the same source, or none does.
+"""Restore agreement: every rank restores the same step, from memory, a peer or storage.
 
-One collective gathers what each rank holds: the complete steps in its shared memory (with
-the save token of each) and the newest committed step it sees on storage.  Every rank then
-computes the same `Choice` from the same values (`plan_restore`, pure).  Memory is used when
-every rank holds the same newest step, or at least all hold the newest step the slowest rank
-has (from one save), and that step is not older than storage's newest committed step.
+One collective gathers what each rank holds and needs: the parts of steps in its node's shared
+memory (each with the token of the save that wrote it, which part it is and how many parts
+its step has), the part it needs in this world, and the newest committed step it sees on
+storage.  Every rank then computes the same `Choice` from the same values (`plan_restore`,
+pure).
+
+Memory is chosen for the newest step, not older than storage's newest committed one, of which
+some rank holds every part the world needs, all from one save.  A rank that holds its part
+restores from memory (`MEMORY`); a rank that lacks it (a new node, a node whose ranks moved)
+receives it from a holder over the process group (`PEER`, `peer_transfer`); storage is used
+only when no such step exists.  After a membership change this keeps a restore in memory
+while the surviving nodes hold the parts: for replicated (DDP) state any one copy will do;
+for sharded state every rank's part must survive somewhere, and the world must have the size
+it was saved with, because memory holds each rank's shard as it was cut.  Resharding to
+another world size is left to storage (where DCP plans it): such a step is never a memory
+candidate.
 
 A restore then tries candidates in an agreed order, the memory step first when chosen, then
 committed steps newest first.  Each try has two phases with a vote after each: `prepare`
-(local: open, map, verify; it may fail on one rank alone) and the load proper (which may be
-collective, like DCP's).  When any rank fails, all ranks move on to the next candidate
-together: no rank ever falls back alone, so the collectives of a load always match.
+(local: open, map, verify; it may fail on one rank alone) and the load proper (collective:
+the peer transfers, then the load, like DCP's).  When any rank fails, all ranks move on to the
+next candidate together: no rank ever falls back alone, so the collectives of a load always
+match.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
+import heapq
 import logging
 import pickle
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-from dlrover_hpc.checkpoint.env import BUFFERS
 from dlrover_hpc.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -47,77 +60,169 @@ Prepare = Callable[["Source", int], Load]
 
 
 class Source(enum.Enum):
+    """Where a rank's restored state came from (the `source` of `checkpoint_restored`)."""
+
+    #: its node's shared memory
     MEMORY = "memory"
+    #: another rank's shared memory, sent over the process group
+    PEER = "peer"
     STORAGE = "storage"
     NONE = "none"
 
 
-def decide(
-    *, mem_max: int, mem_min: int, all_hold_min: bool, committed_max: int
-) -> tuple[Source, int]:
-    """Pure decision from agreed values (-1 means "none")."""
-    if mem_min >= 0 and mem_min >= committed_max and (mem_min == mem_max or all_hold_min):
-        return Source.MEMORY, mem_min
-    if committed_max >= 0:
-        return Source.STORAGE, committed_max
-    return Source.NONE, -1
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Part:
+    """One part of a step, held complete in a node's shared memory."""
+
+    step: int
+    #: the generation token of the save that wrote it
+    token: int
+    #: which part: the rank that saved it (sharded state); 0 for replicated state
+    part: int
+    #: how many parts its step has: the world size that saved it (sharded); 1 (replicated)
+    parts: int
+    #: the bytes of its segment that a peer transfer sends
+    nbytes: int
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.step, self.token, self.part, self.parts)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Holdings:
-    """What one rank can restore from."""
+    """What one rank can restore from, and what it needs."""
 
-    #: step -> save token of each complete step in this rank's shared memory
-    memory: Mapping[int, int]
+    #: the parts in its node's shared memory (its own segments and others' on the node)
+    memory: tuple[Part, ...]
     #: the newest committed step this rank sees on storage (-1: none)
     newest_committed: int
     #: this rank's generation token
     token: int
+    #: the part this rank restores and how many parts a step has in this world:
+    #: (rank, world size) for sharded state, (0, 1) for replicated state
+    need: tuple[int, int] = (0, 1)
 
     def encode(self) -> list[int]:
-        """Fixed-length integers for one all_gather: token, committed, (step, token) x2."""
-        newest = sorted(self.memory, reverse=True)[: len(BUFFERS)]
-        pairs = [[s, self.memory[s]] for s in newest]
-        pairs += [[-1, -1]] * (len(BUFFERS) - len(pairs))
-        return [self.token, self.newest_committed, *(v for pair in pairs for v in pair)]
+        """Integers for one all_gather: token, committed, need, count, then 5 per part."""
+        fields = [(p.step, p.token, p.part, p.parts, p.nbytes) for p in self.memory]
+        head = [self.token, self.newest_committed, *self.need, len(fields)]
+        return head + [v for row in fields for v in row]
 
     @classmethod
     def decode(cls, values: Sequence[int]) -> Holdings:
-        token, committed, *rest = values
-        memory = {rest[i]: rest[i + 1] for i in range(0, len(rest), 2) if rest[i] >= 0}
-        return cls(memory=memory, newest_committed=committed, token=token)
+        """The inverse of `encode`; ignores padding after the parts."""
+        token, committed, part, parts, count, *rest = values
+        memory = tuple(
+            Part(step=s, token=t, part=p, parts=n, nbytes=b)
+            for s, t, p, n, b in (rest[i : i + 5] for i in range(0, 5 * count, 5))
+        )
+        return cls(memory=memory, newest_committed=committed, token=token, need=(part, parts))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Transfer:
+    """A part a rank that holds it sends to a rank that needs it."""
+
+    src: int
+    dst: int
+    part: int
+    parts: int
+    nbytes: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Choice:
     """Where every rank restores from first, and where they all go when that fails."""
 
+    #: MEMORY: the step comes from shared memory (on some ranks through a peer)
     source: Source
     step: int
     #: the generation token all ranks save with from now on
     token: int
     #: the newest step every rank may find committed on storage (-1: none)
     storage_step: int
+    #: the token of the save the memory step comes from (-1: not from memory)
+    save: int = -1
+    #: the parts sent to the ranks that lack them (memory step only)
+    transfers: tuple[Transfer, ...] = ()
+
+    def source_of(self, rank: int) -> Source:
+        """This rank's own source for the first try: PEER when it receives its part."""
+        if self.source == Source.MEMORY and self.fetch(rank) is not None:
+            return Source.PEER
+        return self.source
+
+    def fetch(self, rank: int) -> Transfer | None:
+        return next((t for t in self.transfers if t.dst == rank), None)
+
+    def sends(self, rank: int) -> list[Transfer]:
+        return [t for t in self.transfers if t.src == rank]
+
+
+def memory_step(ranks: Sequence[Holdings], committed_max: int) -> tuple[int, int] | None:
+    """The newest (step, save token), not older than `committed_max`, of which some rank
+    holds every part some rank needs (pure); None when no step qualifies.
+
+    Saves are tried newest step first; two saves of one step (a rollback that saved it again)
+    are tried in token order, the same on every rank.  Parts of different saves never mix."""
+    held = {p.key for h in ranks for p in h.memory}
+    needed = {h.need for h in ranks}
+    for step, save in sorted({p.key[:2] for h in ranks for p in h.memory}, reverse=True):
+        if step < committed_max:
+            break
+        if all((step, save, *need) in held for need in needed):
+            return step, save
+    return None
+
+
+def assign_senders(ranks: Sequence[Holdings], step: int, save: int) -> tuple[Transfer, ...]:
+    """Who sends each rank that lacks its part of (step, save) (pure): among the part's
+    holders, the one with the fewest bytes to send so far (the lowest rank on a tie), so a
+    new node's ranks draw on every surviving node rather than all on the first.  One heap of
+    holders per part keeps this near-linear in the number of ranks."""
+    holders: dict[tuple[int, int], list[tuple[int, int]]] = collections.defaultdict(list)
+    size: dict[tuple[int, int, int], int] = {}  # (part, parts, holder): its segment's bytes
+    for rank, h in enumerate(ranks):
+        for p in h.memory:
+            if p.key[:2] == (step, save):
+                holders[(p.part, p.parts)].append((0, rank))
+                size[(p.part, p.parts, rank)] = p.nbytes
+    sent: collections.Counter[int] = collections.Counter()
+    transfers = []
+    for rank, mine in enumerate(ranks):
+        heap = holders[mine.need]
+        if any(p.key == (step, save, *mine.need) for p in mine.memory):
+            continue
+        while heap[0][0] != sent[heap[0][1]]:  # its count grew by sends of another part
+            heapq.heapreplace(heap, (sent[heap[0][1]], heap[0][1]))
+        src = heap[0][1]
+        part, parts = mine.need
+        nbytes = size[(part, parts, src)]  # copies differ in their meta (pid, time)
+        sent[src] += nbytes
+        heapq.heapreplace(heap, (sent[src], src))
+        transfers.append(Transfer(src=src, dst=rank, part=part, parts=parts, nbytes=nbytes))
+    return tuple(transfers)
 
 
 def plan_restore(ranks: Sequence[Holdings]) -> Choice:
     """The restore every rank chooses from the gathered holdings of all ranks (pure)."""
-    newest = [max(h.memory, default=-1) for h in ranks]
-    mem_max, mem_min = max(newest), min(newest)
-    saves = {h.memory.get(mem_min) for h in ranks}
-    if None in saves or len(saves) != 1:  # not held by all, or from different saves
-        mem_min = -1
     committed = [h.newest_committed for h in ranks]
-    source, step = decide(
-        mem_max=mem_max, mem_min=mem_min, all_hold_min=mem_min >= 0, committed_max=max(committed)
-    )
+    token = max(h.token for h in ranks)
     storage_step = min(committed)
-    if source == Source.STORAGE:
-        step = storage_step
-        source = Source.STORAGE if step >= 0 else Source.NONE
-    return Choice(
-        source=source, step=step, token=max(h.token for h in ranks), storage_step=storage_step
-    )
+    found = memory_step(ranks, max(committed))
+    if found is not None:
+        step, save = found
+        return Choice(
+            source=Source.MEMORY,
+            step=step,
+            token=token,
+            storage_step=storage_step,
+            save=save,
+            transfers=assign_senders(ranks, step, save),
+        )
+    source = Source.STORAGE if storage_step >= 0 else Source.NONE
+    return Choice(source=source, step=storage_step, token=token, storage_step=storage_step)
 
 
 class Agreement:
@@ -128,23 +233,32 @@ class Agreement:
 
         self._dist = dist if dist.is_available() and dist.is_initialized() else None
         self.world = self._dist.get_world_size() if self._dist else 1
+        self.rank = self._dist.get_rank() if self._dist else 0
 
     @property
     def active(self) -> bool:
         return self._dist is not None and self.world > 1
 
-    def _device(self) -> torch.device:
-        assert self._dist is not None
-        if self._dist.get_backend() == "nccl":
+    @property
+    def dist(self) -> Any:
+        """torch.distributed when a process group of more than one rank is up, else None."""
+        return self._dist if self.active else None
+
+    def device(self) -> torch.device:
+        """Where the backend's tensors live: the current GPU for NCCL, else the CPU."""
+        if self._dist is not None and self._dist.get_backend() == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
     def gather(self, values: Sequence[int]) -> list[list[int]]:
-        """Every rank's `values` (all of one length), in rank order."""
+        """Every rank's `values`, in rank order; the lists may differ in length (they come
+        back padded with -1 to the longest)."""
         if not self.active:
             return [list(values)]
         assert self._dist is not None
-        mine = torch.tensor(list(values), dtype=torch.int64, device=self._device())
+        longest = self.max([len(values)])[0]
+        padded = [*values, *([-1] * (longest - len(values)))]
+        mine = torch.tensor(padded, dtype=torch.int64, device=self.device())
         out = [torch.empty_like(mine) for _ in range(self.world)]
         self._dist.all_gather(out, mine)
         return [[int(v) for v in t.tolist()] for t in out]
@@ -154,7 +268,7 @@ class Agreement:
         if not self.active:
             return vals
         assert self._dist is not None
-        t = torch.tensor(vals, dtype=torch.int64, device=self._device())
+        t = torch.tensor(vals, dtype=torch.int64, device=self.device())
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX)
         return [int(v) for v in t.tolist()]
 
@@ -163,7 +277,7 @@ class Agreement:
 
 
 def choose(agreement: Agreement, mine: Holdings) -> Choice:
-    """One collective: the choice every rank makes from every rank's holdings."""
+    """Two collectives: the choice every rank makes from every rank's holdings."""
     return plan_restore([Holdings.decode(v) for v in agreement.gather(mine.encode())])
 
 
@@ -178,13 +292,15 @@ def restore_agreed(
 ) -> tuple[Source, int, Any]:
     """Loads the chosen step, else steps back together with the other ranks (the memory step
     falls back to storage; a storage step to the next older committed one) until every rank
-    succeeds; returns (source, step, state), or (NONE, -1, None)."""
+    succeeds; returns (this rank's source, step, state), or (NONE, -1, None).  `prepare` is
+    called with PEER on the ranks that receive their part of the memory step."""
     steps = sorted(set(committed), reverse=True)
     source, step = choice.source, choice.step
     while source != Source.NONE:
-        loaded, result = _attempt(agreement, prepare, source, step)
+        mine = choice.source_of(agreement.rank) if source == Source.MEMORY else source
+        loaded, result = _attempt(agreement, prepare, mine, step)
         if loaded:
-            return source, step, result
+            return mine, step, result
         if source == Source.MEMORY:
             source, step = Source.STORAGE, choice.storage_step
         else:

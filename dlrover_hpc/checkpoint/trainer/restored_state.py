@@ -1,8 +1,13 @@
-"""A restored state: views over a shared-memory segment, copied into the caller's tensors."""
+"""A restored state: views over a step's bytes, copied into the caller's tensors.
+
+The bytes are a segment of this node (`memory_step.MemoryStep`) or a peer's copy of one
+(`peer_transfer.ReceivedStep`); a restore reads both the same way (`StepBytes`).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 
@@ -10,6 +15,26 @@ from dlrover_hpc.checkpoint.formats.torchfile import ViewUnpickler, buffer_view
 from dlrover_hpc.checkpoint.saver.segments import HEADER_SIZE, Header
 from dlrover_hpc.checkpoint.trainer.tensor_copy import Copier
 from dlrover_hpc.errors import CheckpointError
+
+
+class StepBytes(Protocol):
+    """A complete step's bytes laid out as in a segment (header, image, meta)."""
+
+    @property
+    def header(self) -> Header: ...
+
+    @property
+    def buf(self) -> Any: ...
+
+    @property
+    def token(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+    def reading(self) -> AbstractContextManager[None]:
+        """Held while reading: a segment's shared lock (no save may overwrite it)."""
+        ...
 
 
 def views_from_segment(buf: Any, header: Header, *, weights_only: bool) -> Any:

@@ -35,9 +35,12 @@ from dlrover_hpc.checkpoint.saver.part_files import file_path
 from dlrover_hpc.checkpoint.saver.segments import HEADER_SIZE, Segment
 from dlrover_hpc.checkpoint.trainer.checkpointer import CheckpointerBase
 from dlrover_hpc.checkpoint.trainer.cuda import DeviceSnapshot, cuda_device, target_device
-from dlrover_hpc.checkpoint.trainer.engine import MemoryStep
 from dlrover_hpc.checkpoint.trainer.restore_agreement import Load, Source
-from dlrover_hpc.checkpoint.trainer.restored_state import merge_into, views_from_segment
+from dlrover_hpc.checkpoint.trainer.restored_state import (
+    StepBytes,
+    merge_into,
+    views_from_segment,
+)
 from dlrover_hpc.checkpoint.trainer.saver_connection import SaverLink
 from dlrover_hpc.errors import CheckpointError
 from dlrover_hpc.events import EventName
@@ -241,8 +244,9 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
         weights_only: bool | None = None,
         memory: bool = True,
     ) -> dict[str, Any]:
-        """The newest consistent step: from memory when every rank holds it, else the newest
-        committed step on storage ({} when there is none).  Tensors are copied into the
+        """The newest consistent step: from memory when some rank holds it (a rank that lacks
+        it receives it from one that holds it), else the newest committed step on storage ({}
+        when there is none).  Tensors are copied into the
         matching tensors of `state_dict` when given, else into fresh memory.  Every rank must
         call it; `memory=False` reads storage only; `resume_path` reads that file."""
         t0 = time.perf_counter()
@@ -253,14 +257,11 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
             views = views_from_file(buf, verify=self.verify, weights_only=wo)
             return merge_into(views, state_dict, engine.copier)
 
-        def from_memory(ms: MemoryStep) -> Load:
-            ms.segment.lock(exclusive=False)
-            try:
-                views = views_from_segment(ms.segment.mm, ms.header, weights_only=wo)
+        def from_memory(held: StepBytes) -> Load:
+            with held.reading():
+                views = views_from_segment(held.buf, held.header, weights_only=wo)
                 result = merge_into(views, state_dict, engine.copier)
-            finally:
-                ms.segment.unlock()
-            return lambda: (result, ms.token)
+            return lambda: (result, held.token)
 
         def from_storage(record: CommitRecord) -> Load:
             path = file_path(engine.storage.path(record.path), self._file_name())
