@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--fail-rank", type=int, default=0)
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
     p.add_argument("--result", default=None, help="rank 0 writes a JSON summary here")
+    p.add_argument("--timing-log", default=None, help="rank 0 appends 'time step' per step")
     p.add_argument(
         "--backend",
         choices=["auto", "nccl", "gloo"],
@@ -90,6 +91,9 @@ def main() -> None:
                 {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
                 storage_type=StorageType.DISK if disk else StorageType.MEMORY,
             )
+        if rank == 0 and args.timing_log:
+            with open(args.timing_log, "a") as f:
+                f.write(f"{time.time()} {step}\n")
         marker = os.path.join(args.ckpt_dir, f".failed-once-{args.fail_rank}")
         if step == args.fail_at_step and rank == args.fail_rank and not os.path.exists(marker):
             os.makedirs(args.ckpt_dir, exist_ok=True)

@@ -138,6 +138,12 @@ USABLE = frozenset({NodeState.WAITING, NodeState.ACTIVE, NodeState.DONE})
 ALIVE = frozenset({NodeState.WAITING, NodeState.ACTIVE})
 
 
+def reachable(rec: NodeRecord) -> bool:
+    """The rendezvous may still hear from it: alive and connected (an agent whose connection
+    dropped is not waited for; when it reconnects, it re-joins)."""
+    return rec.state in ALIVE and rec.disconnected_at is None
+
+
 # ----------------------------------------------------------------------- decisions
 def worker_failed(
     msg: m.WorkerFailed,

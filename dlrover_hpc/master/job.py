@@ -332,7 +332,9 @@ class Job:
                 )
                 for n in waiting
             ],
-            alive=sum(1 for n in self.nodes.values() if n.state in d.ALIVE),
+            # A disconnected agent is not waited for: if it reconnects, it re-joins.
+            alive=sum(1 for n in self.nodes.values() if d.reachable(n)),
+            returning=sum(1 for n in self.participants() if d.reachable(n) and n not in waiting),
             initial=self.round == 0,
             opened_at=self._opened_at,
             now=self.clock(),

@@ -172,7 +172,6 @@ class Relauncher:
                     excluded_nodes=job.excluded_nodes,
                     allocation=allocation,
                     attempts=job.relaunches.attempts,
-                    max_nodes=job.params.max_nodes,
                     now=job.clock(),
                 )
             )

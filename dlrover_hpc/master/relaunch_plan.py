@@ -50,17 +50,16 @@ def relaunches(
     excluded_nodes: Iterable[str],
     allocation: dict[str, str],
     attempts: dict[str, Relaunching],
-    max_nodes: int,
     now: float,
 ) -> list[Relaunch]:
     """Nodes to start a new agent on: a lost agent's node that Slurm still gives the job and
     reports healthy (``allocation``: node -> ``sinfo`` state), with no agent there now, not
-    faulty, while the job is below MAX; not after a link timeout (the agent may be alive and
-    reconnect: ``node_readmitted``).  A node whose relaunches failed ``MAX_RELAUNCHES``
+    faulty; not after a link timeout (the agent may be alive and reconnect:
+    ``node_readmitted``).  At MAX too: the node is the job's either way, and a new agent there
+    waits as a hot spare for the next loss.  A node whose relaunches failed ``MAX_RELAUNCHES``
     times in a row is left to replacement jobs; retries back off 5, 10, 20 s."""
     usable = {n.node for n in records if n.state in USABLE}
     flying = {node for node, r in attempts.items() if r.in_flight(now)} - usable
-    room = max_nodes - len(usable) - len(flying)
     excluded = set(excluded_nodes)
     out: list[Relaunch] = []
     # A link that timed out may come back with its agent alive: that agent reconnects.
@@ -70,8 +69,6 @@ def relaunches(
         if n.state is NodeState.LOST and n.launch_argv and not n.link_timed_out
     }
     for node, rec in sorted(lost.items()):
-        if room <= 0:
-            break
         if node in usable or node in excluded or node in flying:
             continue
         if not slurm_usable(allocation.get(node, "down")):
@@ -81,7 +78,6 @@ def relaunches(
         if r.failed >= MAX_RELAUNCHES or now - r.ended_at < backoff:
             continue
         out.append(Relaunch(node, rec.agent_id, r.failed + 1))
-        room -= 1
     return out
 
 

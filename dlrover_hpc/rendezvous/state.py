@@ -69,6 +69,7 @@ def decide(
     initial: bool = False,
     opened_at: float,
     now: float,
+    returning: int = 0,
 ) -> Decision:
     """Decide a rendezvous round.
 
@@ -76,14 +77,18 @@ def decide(
     the newest join) with at least MIN.  In a re-rendezvous (``initial`` False) ``alive`` counts
     every agent that may still join (waiting ones included); when all of them wait there is
     nobody left to wait for, so a round of at least MIN completes at once: recovery does not pay
-    the last call.
+    the last call.  ``returning`` counts the previous round's nodes that are alive but not
+    waiting yet: while any is, MAX waiting nodes (spares among them) do not complete the round
+    before the last call, so a slow re-join does not lose its place (and its memory checkpoint)
+    to a spare.
     """
     count = usable_count(params, len(waiting))
     if count >= params.min_nodes:
         newest = max(w.joined_at for w in waiting)
         deadline = newest + params.last_call_s
         everyone = not initial and len(waiting) >= alive
-        if len(waiting) >= params.max_nodes or everyone or now >= deadline:
+        full = len(waiting) >= params.max_nodes and not returning
+        if full or everyone or now >= deadline:
             return Decision(kind=DecisionKind.COMPLETE, chosen=_choose(waiting, count))
         return Decision(kind=DecisionKind.WAIT, wake_at=deadline)
     if now - opened_at >= params.timeout_s:

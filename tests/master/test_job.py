@@ -391,3 +391,22 @@ def test_a_lost_agent_of_an_excluded_node_is_not_readmitted(tmp_path: Path) -> N
         assert h.waits[c].result().status is m.NodeStatus.EXCLUDED
 
     run(body)
+
+
+def test_the_round_does_not_wait_for_an_agent_whose_connection_dropped(tmp_path: Path) -> None:
+    """An agent SIGKILLed: its peers' workers fail at once, its connection closed a moment
+    earlier.  The survivors' round forms without waiting out its reconnect grace (it would
+    re-join if it came back)."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3", heartbeat_timeout_s=5.0)
+        a, b, c = h.start("n1", "n2", "n3")
+        h.agents.disconnected(c)
+        h.agents.worker_failed(_peer_failure(a))
+        h.rejoin([a, b])
+        h.settle(0.1)  # well within the 3 s grace: c is not lost yet
+        assert h.job.nodes[c].state is not NodeState.LOST and not h.events("node_lost")
+        assert h.job.phase is Phase.RUNNING and h.job.round == 2
+        assert h.events("rendezvous_complete")[-1]["nodes"] == ["n1", "n2"]
+
+    run(body)

@@ -35,14 +35,9 @@ ALLOC = {"node1": "alloc", "node2": "alloc", "node3": "alloc", "node4": "mix"}
 NOW = 1000.0
 
 
-def plan(records, *, allocation=ALLOC, attempts=None, excluded=(), max_nodes=4):  # type: ignore[no-untyped-def]
+def plan(records, *, allocation=ALLOC, attempts=None, excluded=()):  # type: ignore[no-untyped-def]
     return rp.relaunches(
-        records,
-        excluded_nodes=excluded,
-        allocation=allocation,
-        attempts=attempts or {},
-        max_nodes=max_nodes,
-        now=NOW,
+        records, excluded_nodes=excluded, allocation=allocation, attempts=attempts or {}, now=NOW
     )
 
 
@@ -62,11 +57,6 @@ def test_a_lost_agent_on_a_healthy_allocated_node_is_relaunched() -> None:
         ("its agent came back", [rec("node3", LOST), rec("node3", W, n=2)], {}),
         ("no command line known", [rec("node3", LOST, argv=())], {}),
         ("its link timed out: the agent may reconnect", [timed_out("node3")], {}),
-        (
-            "the job is at MAX",
-            [rec("node1", A), rec("node2", A), rec("node3", LOST)],
-            {"max_nodes": 2},
-        ),
         (
             "a relaunch is in flight",
             [rec("node3", LOST)],
@@ -95,11 +85,15 @@ def test_retry_after_the_back_off_and_a_stale_attempt_is_not_in_flight() -> None
     assert plan([rec("node3", LOST)], attempts=stale) == [Relaunch("node3", "node3-1", 1)]
 
 
-def test_room_below_max_counts_relaunches_in_flight() -> None:
+def test_every_lost_node_is_relaunched_even_at_max_to_wait_as_a_spare() -> None:
+    """A spare took the lost node's place: the job is at MAX, and the node is still the job's.
+    Its new agent waits as the next hot spare (node2's relaunch is already in flight)."""
     records = [rec("node1", A), rec("node2", LOST), rec("node3", LOST), rec("node4", LOST)]
     attempts = {"node2": rp.Relaunching(started_at=NOW - 1)}
-    # MAX 3: node1 alive + node2 relaunching leaves room for one more, the first by name
-    assert plan(records, attempts=attempts, max_nodes=3) == [Relaunch("node3", "node3-1", 1)]
+    assert plan(records, attempts=attempts) == [
+        Relaunch("node3", "node3-1", 1),
+        Relaunch("node4", "node4-1", 1),
+    ]
 
 
 @pytest.mark.parametrize(

@@ -73,3 +73,16 @@ def test_node_unit_rounds_down() -> None:
 def test_params_are_checked(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         RdzvParams(**kwargs)
+
+
+def test_a_slow_previous_participant_keeps_its_place_until_the_last_call() -> None:
+    """Four wait (three of the last round and a spare) while the fourth of the last round is
+    still stopping its workers: completing at MAX now would swap it for the spare and cost its
+    memory checkpoint, so the round waits for it, but no longer than the last call."""
+    waiting = [*_w(3, t=10.0, active=True), Waiter(agent_id="spare", joined_at=1.0)]
+    kw = {"params": P, "waiting": waiting, "alive": 5, "opened_at": 10.0, "returning": 1}
+    d = decide(**kw, now=10.5)  # type: ignore[arg-type]
+    assert d.kind is DecisionKind.WAIT and d.wake_at == pytest.approx(13.02)
+    assert decide(**kw, now=13.1).chosen == ("a0", "a1", "a2", "spare")  # type: ignore[arg-type]
+    nobody_late = decide(**{**kw, "returning": 0}, now=10.5)  # type: ignore[arg-type]
+    assert nobody_late.kind is DecisionKind.COMPLETE

@@ -9,15 +9,13 @@ import signal
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from runtime_helpers import TRAIN, events, named, sbatch, wait_job
 
 from dlrover_hpc.testing import LocalSlurm, wait_for
+from dlrover_hpc.testing.chaos import agents_on
 
 pytestmark = pytest.mark.slurm
-
-AGENT_MARKS = ("dlrover-run", "dlrover_hpc.cli.run")
 
 
 def _args(work: Path, steps: int) -> list[str]:
@@ -33,21 +31,6 @@ def _args(work: Path, steps: int) -> list[str]:
         "--step-time=0.1",
         f"--result={work / 'result.json'}",
     ]
-
-
-def _agents_on(local_slurm: LocalSlurm, node: str) -> list[psutil.Process]:
-    """dlrover-run processes in the node's namespace (not their workers or the zygote)."""
-    found = []
-    for pid in local_slurm.netns_pids(node):
-        try:
-            proc = psutil.Process(pid)
-            cmd = " ".join(proc.cmdline())
-            parent = " ".join(proc.parent().cmdline()) if proc.parent() else ""
-        except psutil.Error:
-            continue
-        if any(k in cmd for k in AGENT_MARKS) and not any(k in parent for k in AGENT_MARKS):
-            found.append(proc)
-    return found
 
 
 def _wait_step(work: Path, job: str, step: int) -> None:
@@ -78,7 +61,7 @@ def test_killed_agent_is_relaunched_in_the_allocation(
         master_opts="--replacement-sbatch=off",  # only a relaunch can bring node3 back
     )
     _wait_step(shared_tmp, job, 8)
-    [agent] = _agents_on(local_slurm, "node3")
+    [agent] = agents_on(local_slurm, "node3")
     os.kill(agent.pid, signal.SIGKILL)
     killed_at = time.time()
     evs, out = _finish(shared_tmp, job)
@@ -108,7 +91,7 @@ def test_node_whose_link_comes_back_is_readmitted(
         master_opts="--replacement-sbatch=off",
     )
     _wait_step(shared_tmp, job, 8)
-    [agent] = _agents_on(local_slurm, "node3")
+    [agent] = agents_on(local_slurm, "node3")
     local_slurm.cut_link("node3")
     try:
         wait_for(
@@ -133,3 +116,29 @@ def test_node_whose_link_comes_back_is_readmitted(
     assert named(evs, "job_finished")[-1]["restart_count"] == 0
     result = json.loads((shared_tmp / "result.json").read_text())
     assert result["final_step"] == 150 and result["group_world_size"] == 3
+
+
+def test_below_min_resumes_within_60_s_without_a_requeue(
+    local_slurm: LocalSlurm, shared_tmp: Path
+) -> None:
+    """Issue 12 item 4: a 2:2 job loses a node (below MIN) while idle nodes exist: a
+    replacement job joins over TCP and training resumes within 60 s, no requeue hold."""
+    args = _args(shared_tmp, steps=120)
+    args[0] = "--nnodes=2:2"
+    job = sbatch(shared_tmp, 2, *args, extra=("-w", "node[1-2]"))
+    _wait_step(shared_tmp, job, 8)
+    try:
+        local_slurm.kill_node("node2")
+        evs, out = _finish(shared_tmp, job)
+    finally:
+        local_slurm.restart_node("node2")
+    [lost] = named(evs, "node_lost")
+    assert lost["node"] == "node2"
+    assert named(evs, "job_requeued") == [], out[-3000:]
+    [requested] = named(evs, "replacement_requested")
+    resumed = [e for e in named(evs, "rendezvous_complete") if e["time"] > lost["time"]]
+    assert resumed and resumed[0]["time"] - lost["time"] < 60, (lost, resumed)
+    assert len(resumed[0]["nodes"]) == 2 and "node2" not in resumed[0]["nodes"]
+    assert named(evs, "job_finished")[-1]["restart_count"] == 0
+    assert json.loads((shared_tmp / "result.json").read_text())["final_step"] == 120
+    wait_job(requested["job"], timeout_s=60)

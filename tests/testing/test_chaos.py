@@ -1,0 +1,54 @@
+"""The chaos stream's pure parts: the seeded plan and the analysis of a job's logs."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from dlrover_hpc.testing.chaos import FaultKind, analyze, plan
+
+
+def test_plan_is_seeded_spaced_and_covers_every_kind() -> None:
+    faults = plan(1, duration_s=600, every_s=50)
+    assert faults == plan(1, duration_s=600, every_s=50)
+    assert faults != plan(2, duration_s=600, every_s=50)
+    assert 10 <= len(faults) <= 15 and faults[-1].at_s <= 600
+    gaps = [b.at_s - a.at_s for a, b in itertools.pairwise(faults)]
+    assert all(39.9 <= g <= 60.1 for g in gaps)
+    assert {f.kind for f in faults[: len(FaultKind)]} == set(FaultKind)
+
+
+def _events() -> list[dict]:
+    return [
+        {"time": 100.0, "event": "job_started"},
+        {"time": 104.9, "event": "checkpoint_saved", "step": 5},
+        {"time": 106.0, "event": "checkpoint_restored", "source": "memory", "step": 5},
+        {"time": 106.0, "event": "checkpoint_restored", "source": "peer", "step": 5},
+        {"time": 120.0, "event": "job_finished"},
+    ]
+
+
+def test_analyze_goodput_stalls_and_lost_steps() -> None:
+    # 1 s per step from t=101; a fault at 105.5 after step 6; back at 110 from step 5 (redone 6)
+    timing = [(100.0 + s, s) for s in range(1, 7)] + [
+        (110.0 + i, s) for i, s in enumerate(range(6, 16))
+    ]
+    faults = [{"time": 105.5, "kind": "agent_kill", "node": "node3"}]
+    r = analyze(_events(), timing, faults)
+    assert r.ideal_step_s == pytest.approx(1.0)
+    assert r.steps == 15 and r.wall_s == pytest.approx(20.0)
+    assert r.goodput == pytest.approx(15 / 20)
+    assert r.stalls == [
+        {"start": 0.0, "seconds": 1.0, "cause": "start-up"},
+        {"start": 6.0, "seconds": 4.0, "cause": "agent_kill node3"},
+    ]
+    assert r.restarts == 1 and r.redone_steps == 1
+    assert r.lost_steps == 0  # resumed from step 5, the newest saved before the fault
+    assert r.restores == {"memory": 1, "peer": 1}
+
+
+def test_analyze_counts_steps_lost_beyond_the_newest_checkpoint() -> None:
+    timing = [(100.0 + s, s) for s in range(1, 8)] + [(112.0, 1), (113.0, 2)]
+    r = analyze(_events(), timing)
+    assert r.redone_steps == 7 and r.lost_steps == 5  # step 5 was saved, restarted from 0
