@@ -148,6 +148,7 @@ class MasterConfig:
     link_timeout_s: float = DEFAULT_LINK_TIMEOUT_S  # a silent agent connection fails after this
     replacement_sbatch: str | None = None  # template of replacement jobs; None: no replacements
     requeue: bool = True  # below MIN nodes for min_nodes_timeout_s: scontrol requeue (Slurm)
+    embedded: bool = False  # runs inside an agent (no master step): said in master.json
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -210,6 +211,8 @@ class RunConfig:
     reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S
     #: the command line that started this agent (the master relaunches it with it); () unknown
     launch_argv: tuple[str, ...] = ()
+    #: ``--rdzv-endpoint HOST[:PORT]``: with no master running, the agent on HOST embeds one
+    rdzv_endpoint: str = ""
 
     def __post_init__(self) -> None:
         nnodes = self.nnodes

@@ -10,6 +10,7 @@ import secrets
 import time
 from pathlib import Path
 
+from dlrover_hpc.agent import embedded
 from dlrover_hpc.agent.agent import Agent
 from dlrover_hpc.config import MasterConfig, NodeRange, RunConfig, parse_host_port
 from dlrover_hpc.errors import ConfigError
@@ -47,8 +48,73 @@ def run_agent(config: RunConfig) -> int:
     if master is None and os.environ.get("DLROVER_HPC_MASTER"):
         master = parse_host_port(os.environ["DLROVER_HPC_MASTER"], flag="DLROVER_HPC_MASTER")
     if master is None:
+        embedded_plan = _embedded_plan(config, job_dir)
+        if embedded_plan is not None:
+            return _run_embedded(config, job_dir, embedded_plan)
         master = find_master(job_dir)
     token = resolve_token(job_dir, create=False)
+    return asyncio.run(Agent(config, master=master, token=token, job_dir=job_dir).run())
+
+
+#: Without --rdzv-endpoint, how long SLURM_PROCID 0 looks for a master step's master.json
+#: before it embeds a master (the templates write it before any agent starts).
+TEMPLATE_GRACE_S = 3.0
+
+
+def _embedded_plan(config: RunConfig, job_dir: Path) -> embedded.Plan | None:
+    """A plan to embed the master, or None to wait for a master step's ``master.json``."""
+    if not config.rdzv_endpoint and not os.environ.get("SLURM_JOB_ID"):
+        return None  # outside Slurm only an endpoint says who would host
+    info = embedded.read_master_info(job_dir)
+    if not config.rdzv_endpoint and info is None and os.environ.get("SLURM_PROCID", "0") == "0":
+        time.sleep(TEMPLATE_GRACE_S)  # a master step starting at the same moment wins
+        info = embedded.read_master_info(job_dir)
+    return embedded.plan(
+        endpoint=config.rdzv_endpoint,
+        my_addresses=embedded.my_addresses(),
+        env=os.environ,
+        master_info=info,
+    )
+
+
+def _run_embedded(config: RunConfig, job_dir: Path, plan: embedded.Plan) -> int:
+    deadline = time.monotonic() + MASTER_WAIT_S
+    if plan.host:
+        token = resolve_token(job_dir, create=True)
+        thread = MasterThread(
+            MasterConfig(
+                host="0.0.0.0",
+                port=plan.port,
+                nnodes=config.nnodes,
+                node_unit=config.node_unit,
+                job_dir=str(job_dir),
+                job_id=os.environ.get("SLURM_JOB_ID") or config.run_id or "embedded",
+                max_restarts=config.max_restarts,
+                link_timeout_s=config.link_timeout_s,
+                requeue=False,
+                embedded=True,
+            ),
+            token=token,
+            job_dir=job_dir,
+        )
+        port = thread.start()
+        if port:
+            log.info("embedded job master listening port=%d job_dir=%s", port, job_dir)
+            agent = Agent(config, master=("127.0.0.1", port), token=token, job_dir=job_dir)
+            code = asyncio.run(agent.run())
+            if code == 143:  # stopped by a signal (scancel, time limit): the job ends with it
+                thread.stop("SIGTERM")
+            thread.join(timeout_s=24 * 3600)  # it serves the other agents until the job ends
+            return code
+        if plan.endpoint is None:
+            raise ConfigError("the embedded job master could not start (see the log above)")
+        log.warning("could not listen on port %d; another agent hosts the master", plan.port)
+    if plan.endpoint is not None:
+        embedded.wait_reachable(*plan.endpoint, deadline=deadline, what="--rdzv-endpoint")
+        master = plan.endpoint
+    else:
+        master = embedded.wait_master_json(job_dir, deadline=deadline)
+    token = embedded.wait_token(job_dir, deadline=deadline)
     return asyncio.run(Agent(config, master=master, token=token, job_dir=job_dir).run())
 
 

@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         *_both("rdzv-endpoint"),
         dest="rdzv_endpoint",
         default="",
-        help="accepted for torchrun compatibility; use --master for the job master",
+        help="HOST[:PORT]: with no job master running (a torchrun script), the agent on HOST "
+        "starts one on PORT (default 29400) and the others connect to it",
     )
     t.add_argument(
         *_both("rdzv-id"),
@@ -285,6 +286,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         training_script_args=tuple(args.training_script_args),
         link_timeout_s=args.link_timeout,
         reconnect_timeout_s=args.reconnect_timeout,
+        rdzv_endpoint=args.rdzv_endpoint,
     )
 
 

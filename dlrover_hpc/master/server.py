@@ -185,6 +185,7 @@ class MasterServer:
             "port": self.port,
             "pid": os.getpid(),
             "job_id": self.config.job_id,
+            "embedded": self.config.embedded,
         }
         tmp = self.job_dir / "master.json.tmp"
         tmp.write_text(json.dumps(info))
@@ -390,6 +391,11 @@ class MasterThread:
         self._thread.start()
         self._ready.wait(30)
         return self.server.port
+
+    def stop(self, reason: str) -> None:
+        """End the job from another thread (the hosting agent was stopped by a signal)."""
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.server.job.request_stop, reason)
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)

@@ -1,0 +1,155 @@
+"""A master embedded in one agent, for job scripts written for torchrun (issue 14).
+
+A torchrun script under Slurm runs ``srun torchrun --rdzv-endpoint HEAD:PORT ...`` and starts no
+job master.  When ``dlrover-run`` finds none (no ``--master``, no ``DLROVER_HPC_MASTER``, no
+live ``master.json``), one agent starts the master in-process and the others find it:
+
+- with ``--rdzv-endpoint HOST:PORT``, the agent on HOST (one of its addresses) listens on PORT,
+  as torchrun's c10d store would; the others connect to HOST:PORT;
+- without, the agent with ``SLURM_PROCID`` 0 listens on a free port and writes ``master.json``
+  in the job directory (``$SLURM_SUBMIT_DIR/.dlrover-hpc/$SLURM_JOB_ID``).
+
+With no ``DLROVER_HPC_TOKEN``, the embedded master makes the job token and writes it to the job
+directory, which is mode 0700 (the file 0600) on the shared file system: only the same user's
+agents can read it.  :func:`plan` is pure; the rest waits on the network and the file system.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import psutil
+
+from dlrover_hpc.errors import ConfigError
+from dlrover_hpc.jobdir import MASTER_INFO
+from dlrover_hpc.master.server import TOKEN_ENV
+
+log = logging.getLogger(__name__)
+
+#: torchrun's port when ``--rdzv-endpoint`` names none
+DEFAULT_RDZV_PORT = 29400
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    host: bool  # this agent starts the master
+    port: int  # where it listens (0: any free port, published in master.json)
+    endpoint: tuple[str, int] | None  # where every agent connects; None: read master.json
+
+
+def split_endpoint(text: str) -> tuple[str, int]:
+    """``HOST[:PORT]`` as torchrun takes it: ``node1``, ``node1:29500``, ``10.0.0.1:29500``,
+    ``[fe80::1]:29500``, or a bare IPv6 address."""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest.removeprefix(":")
+    elif text.count(":") == 1:
+        host, _, port = text.partition(":")
+    else:
+        host, port = text, ""
+    if not port:
+        return host, DEFAULT_RDZV_PORT
+    if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ConfigError(
+            f"--rdzv-endpoint={text}: expected HOST or HOST:PORT, e.g. --rdzv-endpoint=node1:29500"
+        )
+    return host, int(port)
+
+
+def plan(
+    *,
+    endpoint: str,
+    my_addresses: set[str],
+    env: Mapping[str, str],
+    master_info: Mapping[str, object] | None,
+) -> Plan | None:
+    """Who starts the master; None when a master of the template exists (``master.json`` not
+    written by an embedded one)."""
+    if endpoint:
+        host, port = split_endpoint(endpoint)
+        return Plan(host=host in my_addresses, port=port, endpoint=(host, port))
+    if master_info is not None and not master_info.get("embedded"):
+        return None
+    first = env.get("SLURM_PROCID", "0") == "0"
+    return Plan(host=first, port=0, endpoint=None)
+
+
+def my_addresses() -> set[str]:
+    """Names and addresses under which other nodes reach this one."""
+    names = {socket.gethostname(), socket.gethostname().split(".")[0], socket.getfqdn()}
+    for addrs in psutil.net_if_addrs().values():
+        names.update(a.address.split("%")[0] for a in addrs if a.family in _INET)
+    return {n for n in names if n}
+
+
+_INET = (socket.AF_INET, socket.AF_INET6)
+
+
+def read_master_info(job_dir: Path) -> dict[str, object] | None:
+    try:
+        info = json.loads((job_dir / MASTER_INFO).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def wait_reachable(host: str, port: int, *, deadline: float, what: str) -> None:
+    """Until HOST:PORT accepts a TCP connection (the host agent may still be starting)."""
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"no job master answered at {host}:{port} ({what}): {exc}; the agent on "
+                    "that host starts it, so --rdzv-endpoint must name one of the job's nodes"
+                ) from None
+            time.sleep(0.3)
+
+
+def wait_master_json(job_dir: Path, *, deadline: float) -> tuple[str, int]:
+    """``master.json`` of a master that accepts connections (a stale one is skipped)."""
+    while True:
+        info = read_master_info(job_dir)
+        if info is not None:
+            host, port = str(info["host"]), int(str(info["port"]))
+            try:
+                socket.create_connection((host, port), timeout=2).close()
+                return host, port
+            except OSError:
+                pass  # left by an earlier run of this job: the new one overwrites it
+        if time.monotonic() >= deadline:
+            raise ConfigError(
+                f"no job master found: {job_dir / MASTER_INFO} did not name a live master "
+                "in time; the agent with SLURM_PROCID=0 starts one when no master runs"
+            )
+        time.sleep(0.3)
+
+
+def wait_token(job_dir: Path, *, deadline: float) -> str:
+    """The token the embedded master wrote (0600, in the 0700 job directory)."""
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    path = job_dir / "token"
+    while True:
+        try:
+            token = path.read_text().strip()
+            if token:
+                return token
+        except FileNotFoundError:
+            pass
+        except PermissionError:
+            raise ConfigError(
+                f"{path}: not readable; the job directory belongs to another user"
+            ) from None
+        if time.monotonic() >= deadline:
+            raise ConfigError(f"no job token: {path} did not appear; set {TOKEN_ENV}")
+        time.sleep(0.2)
