@@ -17,9 +17,11 @@ Then the decision, first that applies:
    peer died, so explicit OOM evidence outranks them) -> HARDWARE
 4. a configured software pattern matched        -> SOFTWARE "configured_software"
 5. a software line rule matched (CUDA OOM, ...)  -> SOFTWARE, that rule
-5b. a peer's connection closed (gloo, NCCL) and the worker was not killed by a signal
+5b. a peer's connection closed (gloo, NCCL) and the worker was not killed by a signal, or
+   only aborted after it (SIGABRT: "terminate called without an active exception" as the
+   lost connection's exception unwinds)
    -> PEER: a symptom of another failure; the master charges no restart for it when a node
-   is lost meanwhile (a membership change)
+   is lost meanwhile (a membership change), and charges one when none is
 6. a crash signal (SIGSEGV, SIGBUS, SIGABRT...)  -> SOFTWARE "crash_signal"
 7. SIGKILL / SIGTERM without OOM evidence       -> SOFTWARE "killed" / "terminated"
 8. a Python exception (error file, log)         -> SOFTWARE "python_exception"
@@ -125,7 +127,8 @@ def classify(evidence: FailureEvidence) -> Diagnosis:
     if software:
         return _from_hits(FailureKind.SOFTWARE, software, facts)
     peer = [h for h in hits if h[0].kind is FailureKind.PEER]
-    if peer and sig not in CRASH_SIGNALS and sig != signal_module.SIGKILL:
+    own_signal = sig in CRASH_SIGNALS and sig != signal_module.SIGABRT
+    if peer and not own_signal and sig != signal_module.SIGKILL:
         return _from_hits(FailureKind.PEER, peer, facts)
     return _by_exit(sig, evidence, error_file, facts)
 

@@ -198,10 +198,24 @@ GLOO_PEER_CLOSED = (
 ).read_text()
 
 
+# Captured from a survivor of a SIGKILLed agent (local Slurm): the lost connection's exception
+# unwinds, then the C++ runtime aborts ("terminate called without an active exception").
+GLOO_PEER_CLOSED_ABORT = (
+    Path(__file__).parents[1] / "data" / "diagnosis" / "gloo_peer_closed_abort.txt"
+).read_text()
+
+
 @pytest.mark.parametrize(
     "evidence,kind,rule",
     [
         (FailureEvidence(exit_code=1, log_tail=GLOO_PEER_CLOSED), FailureKind.PEER, "peer_lost"),
+        (
+            FailureEvidence(signal=signal.SIGABRT, log_tail=GLOO_PEER_CLOSED_ABORT),
+            FailureKind.PEER,
+            "peer_lost",
+        ),
+        # An abort with no lost peer in the log is the worker's own crash.
+        (FailureEvidence(signal=signal.SIGABRT, log_tail="terminate called"), SW, "crash_signal"),
         (
             FailureEvidence(
                 exit_code=1,
