@@ -87,3 +87,14 @@ def wait_job(job: str, *, timeout_s: float) -> dict[str, str]:
         subprocess.run(["scancel", job], timeout=10)
         wait_for(ended, timeout_s=30, what=f"job {job} to be cancelled", interval_s=0.5)
         raise
+
+
+def wait_training(work: Path, job: str, step: int) -> None:
+    """Until the job's output (``slurm-JOB.out`` in ``work``) shows rank 0 past ``step``."""
+    out = work / f"slurm-{job}.out"
+    wait_for(
+        lambda: out.exists() and f"step {step} loss" in out.read_text(),
+        timeout_s=120,
+        what=f"job {job} to reach step {step}",
+        interval_s=0.3,
+    )

@@ -83,11 +83,10 @@ def relaunches(
 
 @dataclasses.dataclass(slots=True)
 class RelaunchBook:
-    """The master's relaunch state: attempts per node, and its newest look at the allocation."""
+    """The master's relaunch state: attempts per node, and when it last looked at the job's
+    allocation (``squeue`` and ``sinfo``)."""
 
     attempts: dict[str, Relaunching] = dataclasses.field(default_factory=dict)
-    #: node -> compact ``sinfo`` state of the nodes Slurm gives the job, as of ``allocation_at``
-    allocation: dict[str, str] = dataclasses.field(default_factory=dict)
     allocation_at: float = float("-inf")
     last_loss_at: float = float("-inf")  # when the newest node was lost
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runtime_helpers import TRAIN, events, named, sbatch, wait_job
+from runtime_helpers import TRAIN, events, named, sbatch, wait_job, wait_training
 
 from dlrover_hpc.testing import LocalSlurm, wait_for
 from dlrover_hpc.testing.chaos import agents_on
@@ -33,16 +33,6 @@ def _args(work: Path, steps: int) -> list[str]:
     ]
 
 
-def _wait_step(work: Path, job: str, step: int) -> None:
-    out = work / f"slurm-{job}.out"
-    wait_for(
-        lambda: out.exists() and f"step {step} loss" in out.read_text(),
-        timeout_s=120,
-        what=f"job {job} to reach step {step}",
-        interval_s=0.3,
-    )
-
-
 def _finish(work: Path, job: str) -> tuple[list[dict], str]:
     fields = wait_job(job, timeout_s=240)
     out = (work / f"slurm-{job}.out").read_text()
@@ -60,7 +50,7 @@ def test_killed_agent_is_relaunched_in_the_allocation(
         extra=("-w", "node[1-3]"),
         master_opts="--replacement-sbatch=off",  # only a relaunch can bring node3 back
     )
-    _wait_step(shared_tmp, job, 8)
+    wait_training(shared_tmp, job, 8)
     [agent] = agents_on(local_slurm, "node3")
     os.kill(agent.pid, signal.SIGKILL)
     killed_at = time.time()
@@ -90,7 +80,7 @@ def test_node_whose_link_comes_back_is_readmitted(
         extra=("-w", "node[1-3]"),
         master_opts="--replacement-sbatch=off",
     )
-    _wait_step(shared_tmp, job, 8)
+    wait_training(shared_tmp, job, 8)
     [agent] = agents_on(local_slurm, "node3")
     local_slurm.cut_link("node3")
     try:
@@ -126,7 +116,7 @@ def test_below_min_resumes_within_60_s_without_a_requeue(
     args = _args(shared_tmp, steps=120)
     args[0] = "--nnodes=2:2"
     job = sbatch(shared_tmp, 2, *args, extra=("-w", "node[1-2]"))
-    _wait_step(shared_tmp, job, 8)
+    wait_training(shared_tmp, job, 8)
     try:
         local_slurm.kill_node("node2")
         evs, out = _finish(shared_tmp, job)

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from runtime_helpers import REPO, TRAIN, events, job_fields, named, sbatch, wait_job
+from runtime_helpers import REPO, TRAIN, events, job_fields, named, sbatch, wait_job, wait_training
 
 from dlrover_hpc.slurm.commands import show_node
 from dlrover_hpc.slurm.parse import node_state
@@ -31,16 +31,6 @@ def _train_args(work: Path, *, steps: int, extra: tuple[str, ...] = ()) -> list[
 
 def _job_dir(work: Path, job: str) -> Path:
     return work / ".dlrover-hpc" / job
-
-
-def _wait_training(work: Path, job: str, step: int) -> None:
-    out = work / f"slurm-{job}.out"
-    wait_for(
-        lambda: out.exists() and f"step {step} loss" in out.read_text(),
-        timeout_s=120,
-        what=f"job {job} to reach step {step}",
-        interval_s=0.3,
-    )
 
 
 def _last_round_nodes(evs: list[dict]) -> list[str]:
@@ -107,7 +97,7 @@ def test_killed_node_job_finishes_on_three(local_slurm: LocalSlurm, shared_tmp: 
         *_train_args(shared_tmp, steps=60, extra=("--step-time=0.1",)),
     )
     try:
-        _wait_training(shared_tmp, job, 8)
+        wait_training(shared_tmp, job, 8)
         local_slurm.kill_node("node4")  # its slurmd, agent and workers, as if it lost power
         fields = wait_job(job, timeout_s=240)
     finally:
@@ -133,7 +123,7 @@ def test_hot_spare_replaces_killed_node(local_slurm: LocalSlurm, shared_tmp: Pat
     )
     jd = _job_dir(shared_tmp, job)
     try:
-        _wait_training(shared_tmp, job, 8)
+        wait_training(shared_tmp, job, 8)
         first = _last_round_nodes(events(jd))
         assert len(first) == 3
         spare = ({"node1", "node2", "node3", "node4"} - set(first)).pop()
@@ -277,7 +267,7 @@ def test_replacement_job_joins_when_no_spare_is_left(
         extra=("-w", "node[1-3]"),
     )
     try:
-        _wait_training(shared_tmp, job, 8)
+        wait_training(shared_tmp, job, 8)
         local_slurm.kill_node("node3")
         fields = wait_job(job, timeout_s=240)
     finally:
@@ -315,7 +305,7 @@ def test_node_crash_spends_no_restart_with_max_restarts_0(
         master_opts="--replacement-sbatch=off",
     )
     try:
-        _wait_training(shared_tmp, job, 10)
+        wait_training(shared_tmp, job, 10)
         local_slurm.kill_node("node3")
         fields = wait_job(job, timeout_s=240)
     finally:
@@ -344,7 +334,7 @@ def test_requeue_when_below_min_nodes_resumes_from_checkpoint(
         master_opts="--replacement-sbatch=off --min-nodes-timeout=2",
     )
     try:
-        _wait_training(shared_tmp, job, 12)
+        wait_training(shared_tmp, job, 12)
         local_slurm.kill_node("node3")
         wait_for(
             lambda: any(e["event"] == "job_requeued" for e in events(_job_dir(shared_tmp, job))),
