@@ -312,7 +312,9 @@ class MasterServer:
         if self._server is None:
             await self.start()
         live = asyncio.create_task(self._liveness())
-        relaunches = asyncio.create_task(self.relauncher.run() if self.relauncher else _idle())
+        relaunches = asyncio.create_task(
+            self.relauncher.run() if self.relauncher else asyncio.sleep(0)
+        )
         try:
             await self.job.run()
             relaunches.cancel()
@@ -339,10 +341,6 @@ class MasterServer:
                 await asyncio.wait_for(self._server.wait_closed(), 5)
         for task in list(self._tasks):
             task.cancel()
-
-
-async def _idle() -> None:
-    """No relaunches outside Slurm."""
 
 
 def run_master(config: MasterConfig) -> int:
