@@ -17,6 +17,7 @@ class EventName(StrEnum):
     WORKER_FAILED = "worker_failed"
     WORKERS_RESTARTED = "workers_restarted"
     JOB_FINISHED = "job_finished"
+    MASTER_RECOVERED = "master_recovered"  # a restarted master adopted the running round
     # Nodes (master).
     NODE_LOST = "node_lost"
     NODE_ADMITTED = "node_admitted"

@@ -4,25 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import getpass
-import hashlib
 import logging
 import os
 import signal
 import socket
 from pathlib import Path
 
+from dlrover_hpc.agent import promotion
 from dlrover_hpc.agent.decisions import Next, Outcome, on_assignment, round_outcome, round_over
 from dlrover_hpc.agent.diagnose import Diagnoser
 from dlrover_hpc.agent.master_link import MasterLink
+from dlrover_hpc.agent.node_lock import hold_node_lock
 from dlrover_hpc.agent.saver_link import start_saver
 from dlrover_hpc.agent.workers import WorkerFailure, WorkerGroup
 from dlrover_hpc.agent.zygote import Zygote
 from dlrover_hpc.checkpoint.saver.host import SaverHost
 from dlrover_hpc.config import RunConfig
 from dlrover_hpc.diagnosis.classify import Diagnosis
-from dlrover_hpc.errors import DlroverHpcError
+from dlrover_hpc.master.server import MasterThread
 from dlrover_hpc.netcheck.launch import run_probe_subprocess
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
@@ -60,7 +60,10 @@ class Agent:
         self.workers = WorkerGroup(config, log_dir=log_dir, zygote=self.zygote)
         self.diagnoser = Diagnoser()
         self.link: MasterLink | None = None
-        self._lock_fd = -1
+        self._lock_fd = -1  # held (close-on-exec) until this process exits
+        self._master_epoch = 0  # of the master this agent knows (master.json's)
+        self._round_state, self._node_rank = m.NodeState.WAITING, -1
+        self.hosted_master: MasterThread | None = None  # promoted: this agent runs the master
         self.agent_id = ""
         self.round = 0
         self._stop = asyncio.Event()
@@ -69,12 +72,13 @@ class Agent:
 
     # -------------------------------------------------------------- setup
     async def _open_link(self) -> None:
-        host, port = self.master
-
         async def connect(pushes: asyncio.Queue[m.Message]) -> MasterClient:
+            # A restarted or promoted master may listen elsewhere: master.json says where.
+            self.master, self._master_epoch = await asyncio.to_thread(
+                promotion.where_master, self.job_dir, self.master, self._master_epoch
+            )
             return await MasterClient.connect(
-                host,
-                port,
+                *self.master,
                 token=self._token,
                 link_timeout_s=self.config.link_timeout_s,
                 pushes=pushes,
@@ -100,6 +104,9 @@ class Agent:
                 exclude_straggler=self.config.exclude_straggler,
                 launch_argv=list(self.config.launch_argv),
                 launch_cwd=os.getcwd(),
+                round=self.round,
+                round_state=self._round_state,
+                master_lost_at=self.link.lost_at if self.link else 0.0,
             ),
             m.JoinReply,
             timeout_s=30,
@@ -115,27 +122,6 @@ class Agent:
             self.agent_id,
         )
 
-    def _hold_node_lock(self) -> None:
-        """One agent of a job per node under Slurm: a relaunch (``srun -w NODE``) that finds the
-        old agent alive (it only lost its link and will reconnect) must not start a second."""
-        if not os.environ.get("SLURM_JOB_ID"):
-            return
-        key = hashlib.sha1(str(self.job_dir.resolve()).encode()).hexdigest()[:12]
-        path = f"/tmp/dlrover-hpc-{getpass.getuser()}-{key}-{self.node}.agent.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise DlroverHpcError(
-                f"another dlrover-run of this job (pid {holder}) is running on {self.node}; "
-                f"not starting a second agent (lock {path})"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._lock_fd = fd  # held (close-on-exec) until this process exits
-
     def _install_signals(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -150,11 +136,12 @@ class Agent:
             if "OMP_NUM_THREADS" not in env and self.config.nproc_per_node > 1:
                 env["OMP_NUM_THREADS"] = "1"  # as the workers get it (read at import)
             self.zygote.start(env)
-        self._hold_node_lock()
+        self._lock_fd = hold_node_lock(self.job_dir, self.node)
         await self._open_link()
         assert self.link is not None
         beats = asyncio.create_task(self._heartbeats())
         pushes = asyncio.create_task(self._pushes())
+        promote = asyncio.create_task(self._watch_master())
         self.saver = start_saver(self.link, job_id=self._job_id, node=self.node)
         try:
             return await self._rounds()
@@ -164,9 +151,14 @@ class Agent:
             await asyncio.to_thread(self.saver.close, True)
             beats.cancel()
             pushes.cancel()
+            promote.cancel()
             await self.link.close()
             if self.zygote is not None:
                 await asyncio.to_thread(self.zygote.stop)
+            if self.hosted_master is not None:  # it serves the other agents to the job's end
+                if self._stop.is_set() and not self._master_gone:
+                    self.hosted_master.stop("SIGTERM")
+                await asyncio.to_thread(self.hosted_master.join, 24 * 3600)
 
     async def _rounds(self) -> int:
         assert self.link is not None
@@ -210,7 +202,7 @@ class Agent:
 
     async def _run_round(self, a: m.Assignment) -> Outcome:
         assert self.link is not None
-        self.round = a.round
+        self.round, self._node_rank = a.round, a.node_rank
         self._round_changed.clear()
         env = {
             "DLROVER_HPC_MASTER": f"{self.master[0]}:{self.master[1]}",
@@ -222,6 +214,7 @@ class Agent:
         }
         self.diagnoser.workers_starting()
         pids = self.workers.start(a, env)
+        self._round_state = m.NodeState.ACTIVE
         # torch's process context installs its own SIGTERM/SIGINT handlers (they raise inside
         # whatever runs); ours only set an event that the monitor loop acts on.
         self._install_signals()
@@ -231,6 +224,9 @@ class Agent:
             timeout_s=30,
         )
         outcome, failures = await self._monitor()
+        self._round_state = (
+            m.NodeState.DONE if outcome is Outcome.SUCCEEDED else m.NodeState.WAITING
+        )
         if outcome is Outcome.SUCCEEDED:
             self.workers.stop()
             await self.link.request(
@@ -365,6 +361,20 @@ class Agent:
             if isinstance(msg, m.RoundChanged) and msg.round > self.round:
                 log.info("master opened round=%d reason=%s", msg.round, msg.reason)
                 self._round_changed.set()
+
+    async def _watch_master(self) -> None:
+        """Take over as master when the master's node died (:mod:`promotion`)."""
+        assert self.link is not None
+        slurm = parse_slurm_env(os.environ)
+        self.hosted_master = await promotion.watch(
+            self.link,
+            job_dir=self.job_dir,
+            token=self._token,
+            epoch=lambda: self._master_epoch,
+            wait_s=lambda: promotion.promote_after(
+                self._node_rank, slurm.node_id if slurm else None
+            ),
+        )
 
     async def _heartbeats(self) -> None:
         assert self.link is not None

@@ -29,7 +29,7 @@ import psutil
 
 from dlrover_hpc.errors import ConfigError
 from dlrover_hpc.jobdir import MASTER_INFO
-from dlrover_hpc.master.server import TOKEN_ENV
+from dlrover_hpc.master.token import TOKEN_ENV
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from dlrover_hpc.config import DrainMode
 from dlrover_hpc.master.nodes import NodeRecord, NodeState
 from dlrover_hpc.master.phases import Phase
+from dlrover_hpc.master.resume import RESUME_GRACE_S
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.rendezvous.state import Decision, DecisionKind, RdzvParams, usable_count
 
@@ -226,9 +227,13 @@ def lost_agents(
             continue
         silent = now - rec.last_seen > heartbeat_timeout_s
         cut = rec.disconnected_at is not None and rec.link_timed_out
-        gone = rec.disconnected_at is not None and now - rec.disconnected_at > grace
+        # A member restored from the journal gets longer: its agent is still reconnecting.
+        wait = RESUME_GRACE_S if rec.resumed else grace
+        gone = rec.disconnected_at is not None and now - rec.disconnected_at > wait
         if silent or cut or gone:
             why = "no heartbeat" if silent else "link timed out" if cut else "connection closed"
+            if rec.resumed and not silent:
+                why = "did not re-register with the restarted master"
             actions.append(MarkLost(rec.agent_id, why))
     return actions
 

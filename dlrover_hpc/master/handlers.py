@@ -26,6 +26,12 @@ class AgentHandlers:
         self.job = job
         self._ids = itertools.count(1)
 
+    def _record_of(self, agent_id: str) -> NodeRecord:
+        rec = self.job.nodes.get(agent_id)
+        if rec is None:
+            raise KeyError(f"unknown agent {agent_id!r}; join first")
+        return rec
+
     # ------------------------------------------------------------ messages
     def status(self, _msg: m.StatusRequest | None = None) -> m.StatusReply:
         job = self.job
@@ -41,7 +47,10 @@ class AgentHandlers:
     def join(self, msg: m.Join) -> m.JoinReply:
         known = self.job.nodes.get(msg.agent_id) if msg.agent_id else None
         if known is not None and known.node == msg.node:
-            self._rejoin(known)
+            if known.resumed:
+                self._adopt(known, msg)
+            else:
+                self._rejoin(known)
             return self._join_reply(known.agent_id)
         now = self.job.clock()
         agent_id = msg.agent_id or f"{msg.node}-{next(self._ids)}"
@@ -99,8 +108,31 @@ class AgentHandlers:
         self.job.emit(EventName.NODE_READMITTED, node=rec.node, agent=rec.agent_id)
         self.job.poke()
 
+    def _adopt(self, rec: NodeRecord, msg: m.Join) -> None:
+        """A member of the running round re-registered with a master restarted from the
+        journal: still training that round, it is adopted as it is (no restart)."""
+        job = self.job
+        rec.last_seen, rec.disconnected_at = job.clock(), None
+        rec.addr, rec.nproc = msg.addr, msg.nproc
+        if job.recovery is not None:
+            job.recovery.report(msg.master_lost_at)
+        in_round = msg.round == rec.round
+        if in_round and msg.round_state is NodeState.DONE:
+            rec.state = NodeState.DONE
+        log.warning(
+            "agent re-registered with the restarted master agent=%s node=%s round=%d state=%s",
+            rec.agent_id,
+            rec.node,
+            msg.round,
+            msg.round_state,
+        )
+        # An agent not in the round any more reports its failure or waits: see wait_round.
+        adopted = in_round and msg.round_state is not NodeState.WAITING
+        job.settle(rec, "adopted" if adopted else "rejoined")
+        job.poke()
+
     def wait_round(self, msg: m.WaitRound) -> asyncio.Future[m.Assignment]:
-        rec = self.job.record_of(msg.agent_id)
+        rec = self._record_of(msg.agent_id)
         fut: asyncio.Future[m.Assignment] = asyncio.get_running_loop().create_future()
         if self.job.ended:
             fut.set_result(self.job.finished_assignment())
@@ -115,8 +147,13 @@ class AgentHandlers:
         if rec.state is NodeState.DONE and self.job.phase is Phase.RUNNING:
             pass  # finished its part: waits for the job's end (or a new round, see open_round)
         elif rec.state in (NodeState.ACTIVE, NodeState.DONE, NodeState.LOST):
+            left = rec.state is NodeState.ACTIVE and rec.round == self.job.round
             rec.state = NodeState.WAITING  # it stopped its workers and re-joins
             rec.joined_at = self.job.clock()
+            if left and self.job.phase is Phase.RUNNING:
+                # Its workers stopped with nothing reported (it missed the round's start
+                # while the master restarted): the round cannot go on without them.
+                self.job.apply([d.OpenRound(Phase.RESTARTING, f"node {rec.node} left the round")])
         if rec.waiter is not None and not rec.waiter.done():
             rec.waiter.cancel()
         if rec.pending is not None:  # a network-check task handed out while it was busy
@@ -128,19 +165,19 @@ class AgentHandlers:
         return fut
 
     def netcheck_report(self, msg: m.NetcheckReport) -> m.Ack:
-        self.job.record_of(msg.agent_id)
+        self._record_of(msg.agent_id)
         self.job.netcheck.report(msg.agent_id, msg)
         self.job.poke()
         return m.Ack()
 
     def heartbeat(self, msg: m.Heartbeat) -> m.HeartbeatReply:
-        rec = self.job.record_of(msg.agent_id)
+        rec = self._record_of(msg.agent_id)
         rec.last_seen = self.job.clock()
         rec.disconnected_at, rec.link_timed_out = None, False
         return m.HeartbeatReply(round=self.job.round, finished=self.job.ended)
 
     def workers_started(self, msg: m.WorkersStarted) -> m.Ack:
-        rec = self.job.record_of(msg.agent_id)
+        rec = self._record_of(msg.agent_id)
         self.job.emit(
             EventName.WORKERS_STARTED,
             node=rec.node,
@@ -152,7 +189,7 @@ class AgentHandlers:
         return m.Ack()
 
     def worker_failed(self, msg: m.WorkerFailed) -> m.Ack:
-        rec = self.job.record_of(msg.agent_id)
+        rec = self._record_of(msg.agent_id)
         self.job.emit(
             EventName.WORKER_FAILED,
             node=rec.node,
@@ -191,8 +228,8 @@ class AgentHandlers:
         return m.Ack()
 
     def workers_succeeded(self, msg: m.WorkersSucceeded) -> m.Ack:
-        rec = self.job.record_of(msg.agent_id)
-        if msg.round == self.job.round and rec.state is NodeState.ACTIVE:
+        rec = self._record_of(msg.agent_id)
+        if msg.round == self.job.round and rec.state in (NodeState.ACTIVE, NodeState.DONE):
             rec.state = NodeState.DONE
             log.info("workers succeeded node=%s rank=%d", rec.node, rec.rank)
             self.job.apply(d.workers_succeeded(self.job.phase, self.job.participants()))

@@ -16,10 +16,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dlrover_hpc.checkpoint.saver.commits import CommitCounter
 from dlrover_hpc.config import DrainMode, MasterConfig
 from dlrover_hpc.events import EventName
 from dlrover_hpc.master import decisions as d
+from dlrover_hpc.master import resume
+from dlrover_hpc.master.bookkeeping import JournaledCommits, PendingCharge
 from dlrover_hpc.master.journal import EventLog, Journal
 from dlrover_hpc.master.netcheck import NetcheckGate
 from dlrover_hpc.master.nodes import (
@@ -78,7 +79,7 @@ class Job:
         self._relaunch = relaunch
         self.relaunches = RelaunchBook()
         self.relaunching_possible = False  # set by the server when it runs under Slurm
-        self._pending_charge: tuple[float, str] | None = None  # (deadline, reason)
+        self._charge = PendingCharge(clock)
         #: rounds completed by this master process (a resumed one starts at 0, round does not)
         self.rounds_here = 0
         self.nodes: dict[str, NodeRecord] = {}
@@ -92,7 +93,8 @@ class Job:
         self._store_port = 0
         self._opened_at = clock()
         self._changed = asyncio.Event()
-        self.commits = CommitCounter()
+        self.commits = JournaledCommits(journal)
+        self.recovery: resume.Recovery | None = None  # a restarted master's unsettled members
         self.finished = asyncio.Event()
         self._stop_signal = ""
         self.netcheck = NetcheckGate(
@@ -106,7 +108,8 @@ class Job:
         )
         if journal is not None:
             self._resume(journal.load())
-        self.emit(EventName.JOB_STARTED, job_id=config.job_id, nnodes=str(config.nnodes))
+        resumed = {"resumed_round": self.round} if self.round else {}
+        self.emit(EventName.JOB_STARTED, job_id=config.job_id, nnodes=str(config.nnodes), **resumed)
 
     # ------------------------------------------------------------ plumbing
     def emit(self, event: EventName, **fields: Any) -> None:
@@ -118,17 +121,25 @@ class Job:
             self._journal.append(**fields)
 
     def _resume(self, saved: dict[str, Any]) -> None:
-        if not saved:
+        restored = resume.restore(saved, now=self.clock(), wall=time.time())
+        if restored is None:
             return
-        self.round = int(saved.get("round", 0))
-        self.restart_count = int(saved.get("restart_count", 0))
-        self.excluded_nodes = set(saved.get("excluded_nodes", []))
-        log.info(
-            "master resumed from journal round=%d restarts=%d excluded=%s",
-            self.round,
-            self.restart_count,
-            sorted(self.excluded_nodes),
-        )
+        self.round, self.restart_count = restored.round, restored.restart_count
+        self.excluded_nodes = set(restored.excluded_nodes)
+        self.nodes.update((rec.agent_id, rec) for rec in restored.members)
+        self.commits.replay(restored.ckpt_parts)
+        if restored.members:  # its agents are (most likely) still training that round
+            self._enter(Phase.RUNNING)
+            self.recovery = restored.recovery
+
+    def settle(self, rec: NodeRecord, how: str) -> None:
+        """A member restored from the journal re-registered in its round, or did not."""
+        recovery, rec.resumed = self.recovery if rec.resumed else None, False
+        fields = recovery.settle(rec.node, how, now=time.time()) if recovery else None
+        if fields is not None:
+            self.recovery = None
+            log.warning("master recovered %s", fields)
+            self.emit(EventName.MASTER_RECOVERED, **fields)
 
     def participants(self) -> list[NodeRecord]:
         """The nodes ranked in the current round (whatever their state now)."""
@@ -141,12 +152,6 @@ class Job:
             for n in self.nodes.values()
             if n.state is NodeState.WAITING and n.waiter is not None and not n.waiter.done()
         ]
-
-    def record_of(self, agent_id: str) -> NodeRecord:
-        rec = self.nodes.get(agent_id)
-        if rec is None:
-            raise KeyError(f"unknown agent {agent_id!r}; join first")
-        return rec
 
     def poke(self) -> None:
         self._changed.set()
@@ -181,8 +186,7 @@ class Job:
                     self.restart_count += 1
                     self._record(restart_count=self.restart_count)
                 case d.ChargeLater(reason):
-                    if self._pending_charge is None:
-                        self._pending_charge = (self.clock() + d.PEER_GRACE_S, reason)
+                    self._charge.later(reason)
                 case d.Exclude(node, reason):
                     self.exclude(node, reason)
                 case d.RemoveNode(node, reason):
@@ -220,9 +224,10 @@ class Job:
     def _lose(self, rec: NodeRecord, reason: str) -> None:
         actions = d.node_lost(self.phase, self.round, rec, reason)
         rec.state = NodeState.LOST
+        self.settle(rec, "lost")
         self.capacity = self.capacity.lost()
         self.relaunches.last_loss_at = self.clock()
-        self._membership_changed()
+        self._charge.cancel()
         if rec.waiter is not None and not rec.waiter.done():
             rec.waiter.cancel()
         log.warning("node lost node=%s agent=%s reason=%s", rec.node, rec.agent_id, reason)
@@ -230,23 +235,9 @@ class Job:
         self.apply(actions)
         self.poke()
 
-    def _membership_changed(self) -> None:
-        """A node left: a peer-lost failure waiting for its charge was this change's symptom."""
-        if self._pending_charge is not None:
-            log.info("restart not charged: a node left reason=%s", self._pending_charge[1])
-            self._pending_charge = None
-
-    def _settle_charge(self) -> None:
-        if self._pending_charge is not None and self.clock() >= self._pending_charge[0]:
-            reason, self._pending_charge = self._pending_charge[1], None
-            log.info("restart charged: no node left within the grace reason=%s", reason)
-            self.apply(
-                d.charge(restart_count=self.restart_count, max_restarts=self.config.max_restarts)
-            )
-
     def exclude(self, node: str, reason: str) -> None:
         self.excluded_nodes.add(node)
-        self._membership_changed()
+        self._charge.cancel()  # a node left: a pending peer-lost charge was its symptom
         self._record(excluded_nodes=sorted(self.excluded_nodes))
         was_active = False
         for rec in self.nodes.values():
@@ -304,10 +295,13 @@ class Job:
         if self._stop_signal:
             self.finish(143, f"the master received {self._stop_signal}")
             return None
-        self._settle_charge()
+        if self._charge.due() is not None:
+            self.apply(
+                d.charge(restart_count=self.restart_count, max_restarts=self.config.max_restarts)
+            )
         if self.ended:
             return None
-        if self.phase is Phase.RUNNING:
+        if self.phase is Phase.RUNNING and self.recovery is None:
             self.apply(d.scale_up(self.participants(), len(self._waiting()), self.params))
         if self.phase is Phase.NETCHECK:
             removals = self.netcheck.poll()
@@ -372,7 +366,11 @@ class Job:
             if rec.state is NodeState.ACTIVE and rec.round != self.round:
                 rec.state = NodeState.WAITING
         self._enter(Phase.RUNNING)
-        self._record(round=self.round, restart_count=self.restart_count)
+        self._record(
+            round=self.round,
+            restart_count=self.restart_count,
+            members=[resume.member_row(self.nodes[r.agent_id]) for r in ranked],
+        )
         log.info("rendezvous complete round=%d nodes=%s", self.round, ",".join(names))
         self.emit(
             EventName.RENDEZVOUS_COMPLETE,

@@ -43,8 +43,12 @@ class Journal:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
 
-    def append(self, **fields: Any) -> None:
+    def append(self, *, sync: bool = True, **fields: Any) -> None:
+        """``sync``: durable before returning (a checkpoint part need not be: a part lost with
+        the master's node only delays the commit to the next checkpoint)."""
         _append_line(self.path, {"time": time.time(), **fields})
+        if not sync:  # in the page cache: survives the master process, not its node
+            return
         # The journal decides what a restarted master does: make each record durable.
         fd = os.open(self.path, os.O_RDONLY)
         try:
@@ -53,8 +57,12 @@ class Journal:
             os.close(fd)
 
     def load(self) -> dict[str, Any]:
-        """The merged state (later records win); a torn last line is skipped."""
-        state: dict[str, Any] = {}
+        """The merged state (later records win); a torn last line is skipped.
+
+        ``ckpt_part`` records accumulate under ``ckpt_parts`` from the newest ``round`` record
+        on (a new round is a new generation of workers: older parts never complete), and
+        ``time`` is the newest record's."""
+        state: dict[str, Any] = {"ckpt_parts": []}
         try:
             lines = self.path.read_text().splitlines()
         except FileNotFoundError:
@@ -65,6 +73,11 @@ class Journal:
             except json.JSONDecodeError:
                 log.warning("journal line skipped file=%s line=%d (torn write)", self.path, number)
                 continue
-            record.pop("time", None)
+            if "ckpt_part" in record:
+                state["ckpt_parts"].append(record["ckpt_part"])
+                state["time"] = record.get("time", 0.0)
+                continue
+            if "round" in record:
+                state["ckpt_parts"] = []
             state.update(record)
         return state

@@ -34,6 +34,8 @@ class NodeRecord:
     pending: m.Assignment | None = None  # a task for its next WaitRound (network check)
     launch_argv: tuple[str, ...] = ()  # how to start this node's agent again (Join)
     launch_cwd: str = ""
+    #: a member of the running round restored from the journal, not yet heard from
+    resumed: bool = False
 
 
 class StoreFactory(Protocol):

@@ -8,7 +8,6 @@ import errno
 import json
 import logging
 import os
-import secrets
 import signal
 import socket
 import threading
@@ -17,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from dlrover_hpc.config import MasterConfig
-from dlrover_hpc.errors import ConfigError, ProtocolError
+from dlrover_hpc.errors import ProtocolError
 from dlrover_hpc.jobdir import make_job_dir
+from dlrover_hpc.master import failover
 from dlrover_hpc.master.decisions import Relaunch
 from dlrover_hpc.master.handlers import AgentHandlers
 from dlrover_hpc.master.job import Job
@@ -26,6 +26,8 @@ from dlrover_hpc.master.journal import EventLog, Journal
 from dlrover_hpc.master.policy import NodeRemover
 from dlrover_hpc.master.relaunch import Relauncher, SrunLauncher
 from dlrover_hpc.master.replace import Replacer
+from dlrover_hpc.master.stores import TorchStores
+from dlrover_hpc.master.token import resolve_token
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol import wire
 from dlrover_hpc.protocol.keepalive import set_link_timeout
@@ -33,67 +35,32 @@ from dlrover_hpc.protocol.keepalive import set_link_timeout
 log = logging.getLogger(__name__)
 
 AUTH_TIMEOUT_S = 10.0
+#: ``dlrover-hpc master`` exits with this when another master serves the job (EX_TEMPFAIL):
+#: the job scripts stop restarting the master step then.
+SUPERSEDED = 75
 #: A connection that failed with these saw no answer for the link timeout: no reconnect grace.
 _LINK_ERRNOS = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH})
-TOKEN_ENV = "DLROVER_HPC_TOKEN"
-
-
-class TorchStores:
-    """A fresh torch TCPStore per round, so restarted workers never meet a previous round's keys
-    or ports (torchrun's gloo restarts fail exactly there)."""
-
-    def __init__(self, keep: int = 2) -> None:
-        # Import torch now, not when the first round completes (it takes a second or two).
-        from torch.distributed import TCPStore
-
-        self._tcp_store = TCPStore
-        self._stores: list[Any] = []
-        self._keep = keep
-
-    def new_store(self, round: int) -> int:
-        from datetime import timedelta
-
-        store = self._tcp_store(
-            "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
-        )
-        self._stores.append(store)
-        del self._stores[: -self._keep]
-        return int(store.port)
-
-
-def resolve_token(job_dir: Path, *, create: bool) -> str:
-    """``$DLROVER_HPC_TOKEN``, else the job directory's ``token`` file (made if ``create``)."""
-    path = job_dir / "token"
-    token = os.environ.get(TOKEN_ENV, "")
-    if token:
-        if create and not path.exists():  # lets `dlrover-hpc status` of the same user in
-            _write_private(path, token)  # (the job directory is mode 0700)
-        return token
-    with contextlib.suppress(FileNotFoundError):
-        return path.read_text().strip()
-    if not create:
-        raise ConfigError(
-            f"no job token: set {TOKEN_ENV} (the sbatch templates do) or start the master first "
-            f"so it writes {path}"
-        )
-    token = secrets.token_hex(32)
-    _write_private(path, token)
-    return token
-
-
-def _write_private(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 class MasterServer:
-    def __init__(self, config: MasterConfig, *, token: str, job_dir: Path, stores: Any = None):
+    """``epoch``: claimed by the caller (a promoted agent); None: claim the next one here,
+    once no other master renews the job's lease (raises :class:`failover.MasterServing`)."""
+
+    def __init__(
+        self,
+        config: MasterConfig,
+        *,
+        token: str,
+        job_dir: Path,
+        stores: Any = None,
+        epoch: int | None = None,
+    ):
         self.config = config
         self._token = token
         self.job_dir = job_dir
+        # Before the journal is read: the master that wrote it must be gone.
+        self.epoch = failover.take_over(job_dir) if epoch is None else epoch
+        self.superseded = False  # a newer master claimed the job: this one stepped down
         self.events = EventLog(job_dir / "events.jsonl")
         topology = None
         if config.topology:
@@ -186,7 +153,10 @@ class MasterServer:
             "pid": os.getpid(),
             "job_id": self.config.job_id,
             "embedded": self.config.embedded,
+            "epoch": self.epoch,
         }
+        failover.write_lease(self.job_dir, self.epoch)
+        failover.save_config(self.job_dir, self.config)
         tmp = self.job_dir / "master.json.tmp"
         tmp.write_text(json.dumps(info))
         os.replace(tmp, self.job_dir / "master.json")
@@ -307,17 +277,32 @@ class MasterServer:
             self.agents.check_capacity()
             self.job.poke()
 
+    async def _lease(self) -> None:
+        """Renew the lease; step down when a newer master claimed the job (fencing)."""
+        while True:
+            await asyncio.sleep(failover.LEASE_EVERY_S)
+            if await asyncio.to_thread(failover.superseded, self.job_dir, self.epoch):
+                log.error("master epoch=%d superseded by a newer master; stepping down", self.epoch)
+                self.superseded = True
+                self.job.finished.set()  # the job goes on under the new master
+                return
+            await asyncio.to_thread(failover.write_lease, self.job_dir, self.epoch)
+
     async def serve(self, linger_s: float = 10.0) -> int:
-        """Run until the job finishes, give agents ``linger_s`` to hear it, return the exit code."""
+        """Run until the job finishes, give agents ``linger_s`` to hear it, return the exit code
+        (:data:`SUPERSEDED` when a newer master took the job over)."""
         if self._server is None:
             await self.start()
         live = asyncio.create_task(self._liveness())
+        lease = asyncio.create_task(self._lease())
         relaunches = asyncio.create_task(
             self.relauncher.run() if self.relauncher else asyncio.sleep(0)
         )
         try:
             await self.job.run()
             relaunches.cancel()
+            if self.superseded:
+                return SUPERSEDED
             if self.replacer is not None:
                 await asyncio.to_thread(self.replacer.cancel_all)
             loop = asyncio.get_running_loop()
@@ -326,8 +311,9 @@ class MasterServer:
                 await asyncio.sleep(0.1)
         finally:
             live.cancel()
+            lease.cancel()
             relaunches.cancel()
-            if self.relauncher is not None:  # relaunched agents that did not hear the end
+            if self.relauncher is not None and not self.superseded:  # did not hear the end
                 await asyncio.to_thread(self.relauncher.launcher.stop_all)
             await self.close()
         return self.job.exit_code or 0
@@ -346,7 +332,11 @@ class MasterServer:
 def run_master(config: MasterConfig) -> int:
     job_dir = make_job_dir(config.job_dir)
     token = resolve_token(job_dir, create=True)
-    server = MasterServer(config, token=token, job_dir=job_dir)
+    try:
+        server = MasterServer(config, token=token, job_dir=job_dir)
+    except failover.MasterServing as exc:
+        log.warning("not starting: %s", exc)
+        return SUPERSEDED
 
     async def main() -> int:
         loop = asyncio.get_running_loop()
@@ -361,9 +351,11 @@ def run_master(config: MasterConfig) -> int:
 class MasterThread:
     """An in-process master (``dlrover-run --standalone``) on its own event loop thread."""
 
-    def __init__(self, config: MasterConfig, *, token: str, job_dir: Path) -> None:
+    def __init__(
+        self, config: MasterConfig, *, token: str, job_dir: Path, epoch: int | None = None
+    ) -> None:
         self._loop = asyncio.new_event_loop()
-        self.server = MasterServer(config, token=token, job_dir=job_dir)
+        self.server = MasterServer(config, token=token, job_dir=job_dir, epoch=epoch)
         self._ready = threading.Event()
         self.exit_code: int | None = None
         self._thread = threading.Thread(target=self._main, name="dlrover-hpc-master", daemon=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 from dlrover_hpc.config import parse_host_port
 from dlrover_hpc.errors import DlroverHpcError, UsageError
 from dlrover_hpc.jobdir import MASTER_INFO, default_job_dir
-from dlrover_hpc.master.server import resolve_token
+from dlrover_hpc.master.token import resolve_token
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
 

@@ -53,6 +53,12 @@ class Join(Message):
     #: inside the allocation (``srun --overlap -w NODE``) when the agent dies on a healthy node
     launch_argv: list[str] = dataclasses.field(default_factory=list)
     launch_cwd: str = ""
+    #: on a re-join, what the agent is doing: ``active`` (its workers train ``round``),
+    #: ``done`` (they succeeded in ``round``) or ``waiting``; a restarted master adopts a
+    #: round its agents still train
+    round: int = 0
+    round_state: NodeState = NodeState.WAITING
+    master_lost_at: float = 0.0  # wall clock when its connection to the master dropped
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

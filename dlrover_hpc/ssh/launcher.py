@@ -30,7 +30,9 @@ from typing import Any
 from dlrover_hpc.config import MasterConfig, NodeRange
 from dlrover_hpc.errors import ConfigError
 from dlrover_hpc.jobdir import make_job_dir
-from dlrover_hpc.master.server import TOKEN_ENV, MasterServer, TorchStores, resolve_token
+from dlrover_hpc.master.server import MasterServer
+from dlrover_hpc.master.stores import TorchStores
+from dlrover_hpc.master.token import TOKEN_ENV, resolve_token
 from dlrover_hpc.ssh.blocklist import BlockedHost, QuarantineReader, block_host, read_blocklist
 from dlrover_hpc.ssh.errors import LaunchError
 from dlrover_hpc.ssh.hostfile import HostEntry

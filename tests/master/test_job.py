@@ -17,7 +17,7 @@ from dlrover_hpc.master.job import Job
 from dlrover_hpc.master.journal import EventLog, Journal
 from dlrover_hpc.master.nodes import NodeState
 from dlrover_hpc.master.phases import Phase
-from dlrover_hpc.master.server import TorchStores
+from dlrover_hpc.master.stores import TorchStores
 from dlrover_hpc.protocol import messages as m
 
 

@@ -1,0 +1,205 @@
+"""A restarted master (issue 14): epochs and the lease in a real job directory, a Job resumed
+from a real journal adopting the agents' running round, and a superseded server stepping down.
+Only the clock is ours."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from dlrover_hpc.config import DrainMode, MasterConfig, NodeRange
+from dlrover_hpc.master import failover
+from dlrover_hpc.master.journal import Journal
+from dlrover_hpc.master.nodes import NodeState
+from dlrover_hpc.master.phases import Phase
+from dlrover_hpc.master.resume import RESUME_GRACE_S
+from dlrover_hpc.master.server import SUPERSEDED, MasterServer
+from dlrover_hpc.protocol import messages as m
+
+from .test_job import Harness, run
+from .test_server import TOKEN, FakeStores
+
+
+# ------------------------------------------------------------------ epochs and the lease
+def test_an_epoch_is_claimed_once_and_supersedes_the_one_before(tmp_path: Path) -> None:
+    assert failover.newest_epoch(tmp_path) == 0
+    assert failover.claim(tmp_path, 1) and not failover.claim(tmp_path, 1)
+    assert failover.take_over(tmp_path) == 2  # no lease: nobody serves
+    assert failover.newest_epoch(tmp_path) == 2
+    assert failover.superseded(tmp_path, 1) and not failover.superseded(tmp_path, 2)
+
+
+def test_a_renewed_lease_keeps_candidates_out_and_a_stale_one_lets_them_in(
+    tmp_path: Path,
+) -> None:
+    failover.claim(tmp_path, 1)
+    failover.write_lease(tmp_path, 1)
+    lease = failover.read_lease(tmp_path)
+    assert lease is not None and lease.epoch == 1 and failover.lease_fresh(lease, time.time())
+    with pytest.raises(failover.MasterServing, match=r"renews .*master\.lease: it serves"):
+        failover.take_over(tmp_path, wait_s=0.3)
+    assert failover.newest_epoch(tmp_path) == 1  # nothing claimed
+    assert not failover.lease_fresh(lease, lease.time + failover.STALE_S + 0.1)
+    stale = {"epoch": 1, "time": time.time() - 10, "host": "n1", "pid": 1}
+    (tmp_path / failover.LEASE).write_text(json.dumps(stale))
+    assert failover.take_over(tmp_path, epoch=2) == 2
+    with pytest.raises(failover.MasterServing, match=r"claimed epoch 2 .* first"):
+        failover.take_over(tmp_path, epoch=2)
+    (tmp_path / failover.LEASE).write_text("{torn")
+    assert failover.read_lease(tmp_path) is None
+
+
+def test_the_first_masters_configuration_is_kept_for_a_promoted_agent(tmp_path: Path) -> None:
+    assert failover.load_config(tmp_path) is None
+    first = MasterConfig(
+        nnodes=NodeRange(min=2, max=4), drain=DrainMode.QUARANTINE, topology="t.conf", port=7
+    )
+    failover.save_config(tmp_path, first)
+    failover.save_config(tmp_path, MasterConfig())  # a later master does not overwrite it
+    got = failover.load_config(tmp_path, port=0, embedded=True)
+    assert got is not None
+    assert got.nnodes == NodeRange(min=2, max=4)
+    assert (got.drain, got.topology) == (DrainMode.QUARANTINE, "t.conf")
+    assert (got.port, got.embedded) == (0, True)
+
+
+# ------------------------------------------------------------------ a Job resumed from its journal
+def _rejoin(
+    h: Harness, agent: str, node: str, *, state: NodeState, round: int = 1, lost_at: float = 0.0
+) -> None:
+    h.agents.join(
+        m.Join(
+            node=node,
+            addr=node,
+            nproc=2,
+            agent_id=agent,
+            round=round,
+            round_state=state,
+            master_lost_at=lost_at,
+        )
+    )
+
+
+def test_a_restarted_master_adopts_the_round_its_agents_train(tmp_path: Path) -> None:
+    async def body() -> None:
+        agents = Harness(tmp_path).start("n1", "n2")
+        h = Harness(tmp_path)  # the master process was killed; a new one reads the journal
+        assert (h.job.phase, h.job.round) == (Phase.RUNNING, 1)
+        assert {r.state for r in h.job.nodes.values()} == {NodeState.ACTIVE}
+        lost_at = time.time() - 3.0
+        _rejoin(h, agents[0], "n1", state=NodeState.ACTIVE, lost_at=lost_at)
+        assert not h.events("master_recovered")  # n2 has not re-registered yet
+        _rejoin(h, agents[1], "n2", state=NodeState.ACTIVE, lost_at=lost_at + 0.5)
+        [recovered] = h.events("master_recovered")
+        assert recovered["adopted"] == ["n1", "n2"] and recovered["lost"] == []
+        assert 3.0 <= recovered["downtime_s"] < 4.0
+        h.settle(RESUME_GRACE_S + 1)
+        h.agents.check_liveness()
+        h.settle()
+        assert (h.job.phase, h.job.round) == (Phase.RUNNING, 1)  # no re-rendezvous
+        assert not h.pushed and h.job.restart_count == 0
+        assert h.events("job_started")[-1]["resumed_round"] == 1
+
+    run(body)
+
+
+def test_a_member_that_does_not_come_back_is_lost_and_the_round_shrinks(tmp_path: Path) -> None:
+    async def body() -> None:
+        agents = Harness(tmp_path).start("n1", "n2", "n3")
+        h = Harness(tmp_path)
+        _rejoin(h, agents[0], "n1", state=NodeState.ACTIVE)
+        _rejoin(h, agents[1], "n2", state=NodeState.WAITING)  # its workers died meanwhile
+        h.settle(RESUME_GRACE_S - 1)
+        h.agents.check_liveness()
+        assert h.job.phase is Phase.RUNNING  # n3 is given the grace
+        h.settle(2)
+        h.agents.check_liveness()
+        assert h.job.nodes[agents[2]].state is NodeState.LOST
+        assert h.job.phase is Phase.SHRINKING
+        [recovered] = h.events("master_recovered")
+        assert (recovered["adopted"], recovered["rejoined"], recovered["lost"]) == (
+            ["n1"],
+            ["n2"],
+            ["n3"],
+        )
+        [lost] = h.events("node_lost")
+        assert lost["reason"] == "did not re-register with the restarted master"
+        h.rejoin(agents[:2])
+        h.settle(1.5)
+        assert (h.job.phase, h.job.round, h.job.restart_count) == (Phase.RUNNING, 2, 0)
+
+    run(body)
+
+
+def test_an_agent_that_missed_the_rounds_start_reopens_it(tmp_path: Path) -> None:
+    """The old master journaled round 1 and died before its agents heard of it."""
+
+    async def body() -> None:
+        agents = Harness(tmp_path).start("n1", "n2")
+        h = Harness(tmp_path)
+        for agent, node in zip(agents, ("n1", "n2"), strict=True):
+            _rejoin(h, agent, node, state=NodeState.WAITING, round=0)
+        h.wait(agents[0], after=0)  # the store of round 1 died with the old master
+        assert h.job.phase is Phase.RESTARTING
+        h.wait(agents[1], after=0)
+        h.settle(1.5)
+        assert (h.job.phase, h.job.round, h.job.restart_count) == (Phase.RUNNING, 2, 0)
+        assert {f.result().round for f in h.waits.values()} == {2}
+
+    run(body)
+
+
+def test_members_done_before_the_restart_still_finish_the_job(tmp_path: Path) -> None:
+    async def body() -> None:
+        agents = Harness(tmp_path).start("n1", "n2")
+        h = Harness(tmp_path)
+        _rejoin(h, agents[0], "n1", state=NodeState.DONE)
+        _rejoin(h, agents[1], "n2", state=NodeState.DONE)
+        # n2's report was in flight when the master died: it is sent again
+        h.agents.workers_succeeded(m.WorkersSucceeded(agent_id=agents[1], round=1))
+        assert h.job.phase is Phase.FINISHED and h.job.exit_code == 0
+
+    run(body)
+
+
+def test_checkpoint_parts_counted_before_a_restart_still_count(tmp_path: Path) -> None:
+    def part(h: Harness, ranks: list[int], step: int = 10) -> bool:
+        msg = m.CheckpointPart(step=step, ranks=ranks, world_size=4, path="/ckpt")
+        return h.agents.checkpoint_part(msg).commit
+
+    async def body() -> None:
+        first = Harness(tmp_path)
+        first.start("n1", "n2")
+        assert not part(first, [0, 1])
+        assert part(first, [0, 1, 2, 3], step=8)  # committed before the restart
+        h = Harness(tmp_path)
+        assert part(h, [2, 3])  # completes the set begun under the old master
+        assert not part(h, [0, 1, 2, 3], step=8)  # never committed twice
+        loaded = Journal(tmp_path / "journal.jsonl").load()
+        assert [p[1] for p in loaded["ckpt_parts"]] == [10, 8, 10, 8]
+
+    run(body)
+
+
+# ------------------------------------------------------------------ fencing
+def test_a_superseded_master_steps_down_without_ending_the_job(tmp_path: Path) -> None:
+    cfg = MasterConfig(host="127.0.0.1", nnodes=NodeRange(min=1, max=1), job_dir=str(tmp_path))
+
+    async def body() -> int:
+        server = MasterServer(cfg, token=TOKEN, job_dir=tmp_path, stores=FakeStores())
+        assert server.epoch == 1
+        await server.start()
+        info = json.loads((tmp_path / "master.json").read_text())
+        assert info["epoch"] == 1 and failover.read_lease(tmp_path) is not None
+        assert failover.load_config(tmp_path) == cfg
+        serving = asyncio.create_task(server.serve(linger_s=0.1))
+        await asyncio.sleep(0.2)
+        assert failover.claim(tmp_path, 2)  # an agent took over
+        return await asyncio.wait_for(serving, 5)
+
+    assert asyncio.run(body()) == SUPERSEDED
+    assert "finished" not in Journal(tmp_path / "journal.jsonl").load()
