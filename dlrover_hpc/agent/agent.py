@@ -16,6 +16,7 @@ from dlrover_hpc.agent.decisions import Next, Outcome, on_assignment, round_outc
 from dlrover_hpc.agent.diagnose import Diagnoser
 from dlrover_hpc.agent.master_link import MasterLink
 from dlrover_hpc.agent.node_lock import hold_node_lock
+from dlrover_hpc.agent.probe import run_probe
 from dlrover_hpc.agent.saver_link import start_saver
 from dlrover_hpc.agent.workers import WorkerFailure, WorkerGroup
 from dlrover_hpc.agent.zygote import Zygote
@@ -23,7 +24,6 @@ from dlrover_hpc.checkpoint.saver.host import SaverHost
 from dlrover_hpc.config import RunConfig
 from dlrover_hpc.diagnosis.classify import Diagnosis
 from dlrover_hpc.master.server import MasterThread
-from dlrover_hpc.netcheck.launch import run_probe_subprocess
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
 from dlrover_hpc.slurm.env import parse_slurm_env
@@ -77,12 +77,21 @@ class Agent:
             self.master, self._master_epoch = await asyncio.to_thread(
                 promotion.where_master, self.job_dir, self.master, self._master_epoch
             )
-            return await MasterClient.connect(
-                *self.master,
-                token=self._token,
-                link_timeout_s=self.config.link_timeout_s,
-                pushes=pushes,
-            )
+            try:
+                return await MasterClient.connect(
+                    *self.master,
+                    token=self._token,
+                    link_timeout_s=self.config.link_timeout_s,
+                    pushes=pushes,
+                )
+            except OSError:  # a stale address (a replacement job's): ask master.json
+                found = await asyncio.to_thread(
+                    promotion.where_master, self.job_dir, self.master, -1
+                )
+                if found[0] == self.master:
+                    raise
+                self.master, self._master_epoch = found
+                return await connect(pushes)
 
         self.link = MasterLink(
             connect, self._register, reconnect_timeout_s=self.config.reconnect_timeout_s
@@ -194,7 +203,7 @@ class Agent:
                     )
                 return step.exit_code
             if step.next is Next.PROBE:
-                await self._probe(assignment)
+                await run_probe(self.link, self.agent_id, assignment)
                 continue
             outcome = await self._run_round(assignment)
             if outcome is Outcome.STOPPED:
@@ -253,39 +262,6 @@ class Agent:
             )
         await self._stop_workers()
         return outcome
-
-    async def _probe(self, a: m.Assignment) -> None:
-        """One network-check probe with this round's partner(s); the result goes to the master."""
-        assert self.link is not None
-        result = await asyncio.to_thread(
-            run_probe_subprocess,
-            group_rank=a.group_rank,
-            group_size=a.group_size,
-            store_host=a.store_host,
-            store_port=a.store_port,
-            timeout_s=a.check_timeout_s,
-            is_store_host=False,
-            prefix=a.check_prefix,
-            env=dict(os.environ),
-        )
-        log.info(
-            "network probe round=%d ok=%s check_s=%s error=%s",
-            a.check_round,
-            result.ok,
-            result.check_s,
-            result.error,
-        )
-        await self.link.request(
-            m.NetcheckReport(
-                agent_id=self.agent_id,
-                check_round=a.check_round,
-                ok=result.ok,
-                check_s=result.check_s,
-                error=result.error[:500],
-            ),
-            m.Ack,
-            timeout_s=30,
-        )
 
     async def _report_logged_hardware_fault(self, a: m.Assignment) -> None:
         assert self.link is not None

@@ -30,6 +30,7 @@ import psutil
 from dlrover_hpc.errors import ConfigError
 from dlrover_hpc.jobdir import MASTER_INFO
 from dlrover_hpc.master.token import TOKEN_ENV
+from dlrover_hpc.slurm.hostnames import expand
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +70,42 @@ def plan(
     my_addresses: set[str],
     env: Mapping[str, str],
     master_info: Mapping[str, object] | None,
+    endpoint_on_job_node: bool = True,
 ) -> Plan | None:
     """Who starts the master; None when a master of the template exists (``master.json`` not
-    written by an embedded one)."""
+    written by an embedded one).  ``endpoint_on_job_node``: the endpoint names one of the job's
+    nodes (a login node or ``localhost`` in a multi-node job does not: then SLURM_PROCID 0 hosts
+    the master on the endpoint's port and the others read ``master.json``)."""
     if endpoint:
         host, port = split_endpoint(endpoint)
-        return Plan(host=host in my_addresses, port=port, endpoint=(host, port))
+        if endpoint_on_job_node:
+            return Plan(host=host in my_addresses, port=port, endpoint=(host, port))
+        return Plan(host=env.get("SLURM_PROCID", "0") == "0", port=port, endpoint=None)
     if master_info is not None and not master_info.get("embedded"):
         return None
     first = env.get("SLURM_PROCID", "0") == "0"
     return Plan(host=first, port=0, endpoint=None)
+
+
+def addresses_of(host: str) -> set[str]:
+    """``host`` and the addresses it resolves to (none when it does not resolve)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return {host}
+    return {host, *(str(info[4][0]) for info in infos)}
+
+
+def on_job_node(endpoint: str, env: Mapping[str, str]) -> bool:
+    """Whether ``--rdzv-endpoint`` names one of the Slurm job's nodes (True outside Slurm:
+    there the endpoint is all there is to go by)."""
+    nodelist = env.get("SLURM_JOB_NODELIST", "")
+    if not nodelist:
+        return True
+    host = split_endpoint(endpoint)[0]
+    wanted = addresses_of(host)
+    job = {a for node in expand(nodelist, source="SLURM_JOB_NODELIST") for a in addresses_of(node)}
+    return bool(wanted & job)
 
 
 def my_addresses() -> set[str]:

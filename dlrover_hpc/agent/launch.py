@@ -70,11 +70,20 @@ def _embedded_plan(config: RunConfig, job_dir: Path) -> embedded.Plan | None:
     if not config.rdzv_endpoint and info is None and os.environ.get("SLURM_PROCID", "0") == "0":
         time.sleep(TEMPLATE_GRACE_S)  # a master step starting at the same moment wins
         info = embedded.read_master_info(job_dir)
+    on_job_node = not config.rdzv_endpoint or embedded.on_job_node(config.rdzv_endpoint, os.environ)
+    if not on_job_node:
+        log.warning(
+            "--rdzv-endpoint=%s names none of this job's nodes (%s): the agent with "
+            "SLURM_PROCID=0 hosts the job master and publishes it in master.json",
+            config.rdzv_endpoint,
+            os.environ.get("SLURM_JOB_NODELIST", ""),
+        )
     return embedded.plan(
         endpoint=config.rdzv_endpoint,
         my_addresses=embedded.my_addresses(),
         env=os.environ,
         master_info=info,
+        endpoint_on_job_node=on_job_node,
     )
 
 

@@ -79,12 +79,15 @@ def where_master(
 ) -> tuple[tuple[str, int], int]:
     """Where to connect: ``master.json``'s master when it is newer than ``epoch`` (the one this
     agent knew), else ``current``.  The first call (``epoch`` 0) only learns the epoch: the
-    address the agent was given (``--master``, the endpoint, 127.0.0.1) stays."""
+    address the agent was given (``--master``, the endpoint, 127.0.0.1) stays.  ``epoch`` -1:
+    the given address does not answer; any master ``master.json`` names is newer."""
     info = embedded.read_master_info(job_dir)
     newest = master_epoch(job_dir) if info else 0
     if info is None or newest <= epoch:
         return current, max(epoch, newest)
     if epoch == 0:
+        return current, newest
+    if (str(info["host"]), int(str(info["port"]))) == current:
         return current, newest
     log.warning(
         "master.json names a new master epoch=%d at %s:%s", newest, info["host"], info["port"]

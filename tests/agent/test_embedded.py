@@ -65,6 +65,28 @@ def test_plan(endpoint: str, env: dict, info: dict | None, expected: embedded.Pl
     assert got == expected
 
 
+@pytest.mark.parametrize(("procid", "hosts"), [("0", True), ("1", False)])
+def test_an_endpoint_on_no_job_node_falls_back_to_procid_0(procid: str, hosts: bool) -> None:
+    got = embedded.plan(
+        endpoint="login1:29500",
+        my_addresses=MINE,
+        env={"SLURM_PROCID": procid},
+        master_info=None,
+        endpoint_on_job_node=False,
+    )
+    assert got == embedded.Plan(hosts, 29500, None)  # the others read master.json
+
+
+def test_which_endpoints_name_a_job_node() -> None:
+    here = socket.gethostname()
+    env = {"SLURM_JOB_NODELIST": here}
+    assert embedded.on_job_node(f"{here}:29500", env)
+    address = next(a for a in embedded.addresses_of(here) if a != here)
+    assert embedded.on_job_node(f"{address}:29500", env)  # the tutorial passes an address
+    assert not embedded.on_job_node("no-such-host.invalid:29500", env)
+    assert embedded.on_job_node("anything:1", {})  # outside Slurm the endpoint is trusted
+
+
 def test_my_addresses_include_the_hostname_and_loopback() -> None:
     mine = embedded.my_addresses()
     assert socket.gethostname() in mine and "127.0.0.1" in mine

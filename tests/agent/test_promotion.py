@@ -41,6 +41,9 @@ def test_an_agent_follows_master_json_only_to_a_newer_master(tmp_path: Path) -> 
     assert promotion.where_master(tmp_path, given, 1) == (given, 1)
     _master_json(tmp_path, 2, host="n3", port=6000)
     assert promotion.where_master(tmp_path, given, 1) == (("n3", 6000), 2)
+    # the given address does not answer (a replacement job started before a fail-over)
+    assert promotion.where_master(tmp_path, given, -1) == (("n3", 6000), 2)
+    assert promotion.where_master(tmp_path, ("n3", 6000), -1) == (("n3", 6000), 2)
 
 
 def test_an_agent_does_not_take_over_from_a_live_or_newer_master(tmp_path: Path) -> None:

@@ -38,18 +38,25 @@ srun dlrover-run \\
 --nproc_per_node 1 \\
 --rdzv_id $RANDOM \\
 --rdzv_backend c10d \\
---rdzv_endpoint $head_node_ip:29500 \\
+--rdzv_endpoint {endpoint} \\
 {train} --steps=60 --step-time=0.05 --ckpt-dir={work}/ckpt --ckpt-every=5 \\
     --fail-at-step=20 --fail-rank=1 --result={work}/result.json
 """
 
 
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "$head_node_ip:29500",  # the tutorial's
+        "localhost:29500",  # names no node of a 3-node job: SLURM_PROCID 0 hosts the master
+    ],
+)
 def test_torchrun_tutorial_script_runs_and_recovers(
-    local_slurm: LocalSlurm, shared_tmp: Path
+    local_slurm: LocalSlurm, shared_tmp: Path, endpoint: str
 ) -> None:
     (shared_tmp / "ckpt").mkdir()
     script = shared_tmp / "multinode.sbatch"
-    script.write_text(SCRIPT.format(train=TRAIN, work=shared_tmp))
+    script.write_text(SCRIPT.format(train=TRAIN, work=shared_tmp, endpoint=endpoint))
     job = subprocess.run(
         [
             "sbatch",
@@ -72,7 +79,10 @@ def test_torchrun_tutorial_script_runs_and_recovers(
     assert fields["JobState"] == "COMPLETED", out[-4000:]
     job_dir = shared_tmp / ".dlrover-hpc" / job
     evs = events(job_dir)
-    assert json.loads((job_dir / "master.json").read_text())["embedded"] is True
+    info = json.loads((job_dir / "master.json").read_text())
+    assert info["embedded"] is True and info["port"] == 29500
+    if endpoint.startswith("localhost"):
+        assert "names none of this job's nodes" in out
     assert stat.S_IMODE(job_dir.stat().st_mode) == 0o700
     assert stat.S_IMODE((job_dir / "token").stat().st_mode) == 0o600
     [failed] = named(evs, "worker_failed")
