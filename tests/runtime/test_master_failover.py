@@ -130,7 +130,10 @@ def test_master_node_crash_an_agent_takes_over(local_slurm: LocalSlurm, shared_t
     assert _master_info(job_dir)["host"] == "node2"
     crashed_at = time.time()
     local_slurm.kill_node("node2")  # the master, node2's agent and its worker
-    evs, out = _finish(shared_tmp, job)
+    try:
+        evs, out = _finish(shared_tmp, job)
+    finally:
+        local_slurm.restart_node("node2")
 
     info = _master_info(job_dir)
     assert info["embedded"] and info["epoch"] == 2 and info["host"] in ("node1", "node3"), info
