@@ -109,6 +109,10 @@ def test_killed_master_is_restarted_and_adopts_the_running_round(
     assert after and after[0] - killed_at < 10.0, "training resumed late"
     gaps = [b - a for (a, _), (b, _) in itertools.pairwise(steps)]
     assert max(gaps) < 10.0, f"training stalled {max(gaps):.1f} s"
+    print(
+        f"master SIGKILL: downtime_s {recovered['downtime_s']}, longest step gap "
+        f"{max(gaps):.2f} s, first step {after[0] - killed_at:.2f} s after the kill"
+    )
     # Checkpoints went on committing under the new master, up to the last step.
     result = json.loads((shared_tmp / "result.json").read_text())
     assert result["final_step"] == 150 and result["committed"] is True, result
