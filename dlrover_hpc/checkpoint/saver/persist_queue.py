@@ -132,6 +132,8 @@ class SaverCore:
         return seg
 
     def _unpin(self, path: str) -> None:
+        if path not in self._pinned:
+            return
         seg = self._segments.get(path)
         if seg is not None:
             seg.unlock()
@@ -211,6 +213,12 @@ class SaverCore:
                 for rank in req.info.ranks:
                     self._durable.append((rank, info.step, info.token))
             done.extend(req.info.ranks)
+        # The parts are on storage: training may reuse their buffers while the commit is
+        # agreed (with a master that is restarting, that can take seconds).
+        with self._cond:
+            for req in batch:
+                self._unpin(req.path)
+            self._cond.notify_all()
         if not done:
             return
         won = False
