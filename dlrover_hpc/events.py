@@ -23,6 +23,8 @@ class EventName(StrEnum):
     NODE_ADMITTED = "node_admitted"
     NODE_RELAUNCHED = "node_relaunched"
     NODE_READMITTED = "node_readmitted"
+    HANG_DETECTED = "hang_detected"  # no rank progressed for --hang-timeout
+    STRAGGLER_DETECTED = "straggler_detected"  # a rank's forward is slow for a while
     NETCHECK_RESULT = "netcheck_result"
     NODE_DRAINED = "node_drained"
     NODE_QUARANTINED = "node_quarantined"

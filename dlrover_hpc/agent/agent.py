@@ -12,18 +12,21 @@ import socket
 from pathlib import Path
 
 from dlrover_hpc.agent import promotion
+from dlrover_hpc.agent import watchdog as wd
 from dlrover_hpc.agent.decisions import Next, Outcome, on_assignment, round_outcome, round_over
 from dlrover_hpc.agent.diagnose import Diagnoser
 from dlrover_hpc.agent.master_link import MasterLink
 from dlrover_hpc.agent.node_lock import hold_node_lock
 from dlrover_hpc.agent.probe import run_probe
 from dlrover_hpc.agent.saver_link import start_saver
+from dlrover_hpc.agent.worker_hooks import FORWARD_TIMING_ENV
 from dlrover_hpc.agent.workers import WorkerFailure, WorkerGroup
 from dlrover_hpc.agent.zygote import Zygote
 from dlrover_hpc.checkpoint.saver.host import SaverHost
 from dlrover_hpc.config import RunConfig
 from dlrover_hpc.diagnosis.classify import Diagnosis
 from dlrover_hpc.master.server import MasterThread
+from dlrover_hpc.progress import PATH_ENV
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
 from dlrover_hpc.slurm.env import parse_slurm_env
@@ -59,6 +62,8 @@ class Agent:
         )
         self.workers = WorkerGroup(config, log_dir=log_dir, zygote=self.zygote)
         self.diagnoser = Diagnoser()
+        self.watchdog = wd.Watchdog(sample_s=wd.default_sample_s(config.hang_timeout_s))
+        self._tasks: set[asyncio.Task[None]] = set()
         self.link: MasterLink | None = None
         self._lock_fd = -1  # held (close-on-exec) until this process exits
         self._master_epoch = 0  # of the master this agent knows (master.json's)
@@ -111,6 +116,8 @@ class Agent:
                 agent_id=self.agent_id or None,
                 network_check=self.config.network_check,
                 exclude_straggler=self.config.exclude_straggler,
+                hang_timeout_s=self.config.hang_timeout_s,
+                straggler_factor=self.config.straggler_factor,
                 launch_argv=list(self.config.launch_argv),
                 launch_cwd=os.getcwd(),
                 round=self.round,
@@ -146,6 +153,7 @@ class Agent:
                 env["OMP_NUM_THREADS"] = "1"  # as the workers get it (read at import)
             self.zygote.start(env)
         self._lock_fd = hold_node_lock(self.job_dir, self.node)
+        await asyncio.to_thread(wd.sweep_stale)  # progress records of a SIGKILLed agent
         await self._open_link()
         assert self.link is not None
         beats = asyncio.create_task(self._heartbeats())
@@ -213,16 +221,22 @@ class Agent:
         assert self.link is not None
         self.round, self._node_rank = a.round, a.node_rank
         self._round_changed.clear()
+        progress_file = wd.progress_template(self._job_id, self.node)  # worker_env: + local rank
         env = {
             "DLROVER_HPC_MASTER": f"{self.master[0]}:{self.master[1]}",
             "DLROVER_HPC_JOB_DIR": str(self.job_dir),
             "DLROVER_HPC_JOB_ID": self._job_id,
             "DLROVER_HPC_NODE_NAME": self.node,
+            PATH_ENV: progress_file,
+            FORWARD_TIMING_ENV: "1" if self.config.straggler_factor else "0",
             **({"DLROVER_HPC_SAVER_SOCKET": self.saver.socket_path} if self.saver else {}),
             **self._extra_env,
         }
         self.diagnoser.workers_starting()
         pids = self.workers.start(a, env)
+        self.watchdog.start_round(
+            {lr: (a.rank_offset + lr, pid, progress_file.format(lr)) for lr, pid in pids.items()}
+        )
         self._round_state = m.NodeState.ACTIVE
         # torch's process context installs its own SIGTERM/SIGINT handlers (they raise inside
         # whatever runs); ours only set an event that the monitor loop acts on.
@@ -238,6 +252,7 @@ class Agent:
         )
         if outcome is Outcome.SUCCEEDED:
             self.workers.stop()
+            self.watchdog.stop_round()
             await self.link.request(
                 m.WorkersSucceeded(agent_id=self.agent_id, round=a.round), m.Ack, timeout_s=30
             )
@@ -321,6 +336,7 @@ class Agent:
                     await self._round_changed.wait()
 
     async def _stop_workers(self) -> None:
+        self.watchdog.stop_round()
         if self.workers.running:
             await asyncio.to_thread(self.workers.stop)
         # Persist the newest in-memory checkpoint before anything restarts.
@@ -337,6 +353,11 @@ class Agent:
             if isinstance(msg, m.RoundChanged) and msg.round > self.round:
                 log.info("master opened round=%d reason=%s", msg.round, msg.reason)
                 self._round_changed.set()
+            elif isinstance(msg, m.DumpStacks):
+                answer = self.watchdog.answer(self.link, self.agent_id, self.node, msg.request_id)
+                task = asyncio.create_task(answer)
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
     async def _watch_master(self) -> None:
         """Take over as master when the master's node died (:mod:`promotion`)."""
@@ -356,9 +377,11 @@ class Agent:
         assert self.link is not None
         while True:
             await asyncio.sleep(self._heartbeat_s)
+            running = self.workers.running and self._round_state is m.NodeState.ACTIVE
+            progress = await asyncio.to_thread(self.watchdog.poll) if running else []
             try:
                 reply = await self.link.request(
-                    m.Heartbeat(agent_id=self.agent_id, round=self.round),
+                    m.Heartbeat(agent_id=self.agent_id, round=self.round, progress=progress),
                     m.HeartbeatReply,
                     timeout_s=max(5.0, 2 * self._heartbeat_s),
                 )

@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import os
-import secrets
 import time
 from pathlib import Path
 
@@ -132,7 +131,7 @@ def _run_standalone(config: RunConfig) -> int:
     job_dir = make_job_dir(
         config.job_dir or os.path.join(os.getcwd(), ".dlrover-hpc", f"standalone-{os.getpid()}")
     )
-    token = secrets.token_hex(32)
+    token = resolve_token(job_dir, create=True)  # 0600: `dlrover-hpc status|stacks` use it
     master = MasterThread(
         MasterConfig(
             host="127.0.0.1",

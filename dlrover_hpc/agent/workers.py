@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResult
 
-from dlrover_hpc.agent.zygote import Zygote, exec_args
+from dlrover_hpc.agent.zygote import Zygote, exec_args, run_args
 from dlrover_hpc.config import RunConfig
+from dlrover_hpc.progress import PATH_ENV
 from dlrover_hpc.protocol.messages import Assignment
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ def worker_env(
         "PYTHONUNBUFFERED": "1",
         **extra,
     }
+    if PATH_ENV in extra:  # a template: one progress record per worker
+        env[PATH_ENV] = extra[PATH_ENV].format(local_rank)
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default
     return env
@@ -98,12 +101,10 @@ class WorkerGroup:
         if self._zygote is not None and not cfg.no_python and self._zygote.ready(0.0):
             # Forked from a pre-warmed interpreter: no Python start-up, no `import torch`.
             worker_args = self._zygote.client_args(argv, module=cfg.module)
-        else:
-            if cfg.no_python:
-                python: tuple[str, ...] = ()
-            else:
-                python = (sys.executable, "-u", "-m") if cfg.module else (sys.executable, "-u")
-            worker_args = exec_args([*python, *argv])  # a shim that execs it
+        elif cfg.no_python:
+            worker_args = exec_args(argv)  # a shim that execs it
+        else:  # the zygote is not ready yet: run it as the zygote would, with the hooks
+            worker_args = run_args(argv, module=cfg.module)
         # Both set the workers to die with this process, as this thread's children: this is
         # the event loop's thread, which lives as long as the agent (zygote.die_with_parent).
         args = {lr: worker_args for lr in range(cfg.nproc_per_node)}

@@ -74,6 +74,23 @@ def exec_args(command: Sequence[str]) -> tuple[str, ...]:
     return ("-m", "dlrover_hpc.agent.zygote", "exec", str(os.getpid()), *command)
 
 
+def run_args(argv: Sequence[str], *, module: bool) -> tuple[str, ...]:
+    """``python`` arguments: a Python worker run as the zygote's would be (with the hooks)."""
+    kind = "--module" if module else "--script"
+    return ("-u", "-m", "dlrover_hpc.agent.zygote", "run", str(os.getpid()), kind, *argv)
+
+
+def _run(parent_pid: int, argv: list[str], *, module: bool) -> None:
+    die_with_parent(parent_pid, signal.SIGKILL)
+    with contextlib.suppress(ImportError):
+        import torch  # noqa: F401 - the script's first import anyway; the hooks need it
+
+    from dlrover_hpc.agent import worker_hooks
+
+    worker_hooks.install()
+    sys.exit(_run_main(argv, module=module))
+
+
 def _exec(parent_pid: int, command: list[str]) -> None:
     die_with_parent(parent_pid, signal.SIGKILL)  # kept across execve
     try:
@@ -212,6 +229,9 @@ def _become_worker(request: dict, fds: list[int], *, zygote_pid: int) -> None:
         sys.stdin = open(0, closefd=False)  # noqa: SIM115
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        from dlrover_hpc.agent import worker_hooks
+
+        worker_hooks.install()  # progress signals and stack dumps (hang detection)
         code = _run_main(request["argv"], module=request["module"])
     except SystemExit as exc:
         code = _exit_code(exc.code)
@@ -367,6 +387,8 @@ def main(argv: list[str]) -> None:
         client(argv[1], argv[4:], module=argv[3] == "--module", parent_pid=int(argv[2]))
     elif argv[:1] == ["exec"] and len(argv) >= 3:
         _exec(int(argv[1]), argv[2:])
+    elif argv[:1] == ["run"] and len(argv) >= 4:
+        _run(int(argv[1]), argv[3:], module=argv[2] == "--module")
     else:
         sys.exit(
             "usage: python -m dlrover_hpc.agent.zygote serve SOCKET PARENT_PID | "

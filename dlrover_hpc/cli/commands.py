@@ -112,6 +112,13 @@ def register_master(sub: argparse._SubParsersAction) -> None:
         help="seconds below MIN nodes before the job is requeued (default 300)",
     )
     p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=env_default("master_hang_timeout", "0") or "0",
+        help="seconds with no progress on any rank before the stacks are dumped and the "
+        "workers restart (default 0: the agents' --hang-timeout)",
+    )
+    p.add_argument(
         "--requeue",
         action=argparse.BooleanOptionalAction,
         default=(env_default("requeue", "1") or "1") not in ("0", "false", "no"),
@@ -145,6 +152,7 @@ def master_config(args: argparse.Namespace) -> MasterConfig:
         else args.replacement_sbatch,
         min_nodes_timeout_s=args.min_nodes_timeout,
         requeue=args.requeue,
+        hang_timeout_s=args.hang_timeout,
     )
 
 
@@ -246,3 +254,22 @@ def _status(args: argparse.Namespace) -> int:
     from dlrover_hpc.master.status import print_status
 
     return print_status(master=args.master, job_dir=args.job_dir, as_json=args.json)
+
+
+def register_stacks(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "stacks",
+        help="every rank's Python stack now, grouped by identical stacks",
+        description="Ask the job master (found as for 'status') to read every worker's stack "
+        "(py-spy, as the job's user) and print them grouped: the odd rank out stands out. "
+        "The stacks are kept in the job directory's stacks/.",
+    )
+    p.add_argument("--master", default=env_default("master", None), help="HOST:PORT")
+    p.add_argument("--job-dir", default=env_default("job_dir", None), help="job directory")
+    p.set_defaults(func=_stacks)
+
+
+def _stacks(args: argparse.Namespace) -> int:
+    from dlrover_hpc.master.status import print_stacks
+
+    return print_stacks(master=args.master, job_dir=args.job_dir)

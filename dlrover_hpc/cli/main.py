@@ -1,4 +1,5 @@
-"""``dlrover-hpc``: the job master, topology tools, drain, launch, status and local-slurm."""
+"""``dlrover-hpc``: the job master, topology tools, drain, launch, status, stacks and
+local-slurm."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.register_drain(sub)
     launch.register_launch(sub)
     commands.register_status(sub)
+    commands.register_stacks(sub)
     local_slurm.register(sub)
     return parser
 

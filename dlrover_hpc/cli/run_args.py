@@ -9,8 +9,10 @@ from collections.abc import Sequence
 
 from dlrover_hpc.cli.parser import Parser
 from dlrover_hpc.config import (
+    DEFAULT_HANG_TIMEOUT_S,
     DEFAULT_LINK_TIMEOUT_S,
     DEFAULT_RECONNECT_TIMEOUT_S,
+    DEFAULT_STRAGGLER_FACTOR,
     NodeRange,
     RunConfig,
     env_default,
@@ -241,6 +243,22 @@ def build_parser() -> argparse.ArgumentParser:
         f"before stopping them (default {DEFAULT_RECONNECT_TIMEOUT_S:g})",
     )
     d.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=env_default("hang_timeout", f"{DEFAULT_HANG_TIMEOUT_S:g}"),
+        help="seconds with no progress on any rank before the job's stacks are dumped to "
+        f"<job dir>/hangs/ and the workers restart; 0: off (default {DEFAULT_HANG_TIMEOUT_S:g})",
+    )
+    d.add_argument(
+        "--straggler-factor",
+        type=float,
+        default=env_default("straggler_factor", f"{DEFAULT_STRAGGLER_FACTOR:g}"),
+        help="e.g. 2: a rank whose forward takes this many times the median for 30 s is "
+        "reported (straggler_detected) and, with --exclude-straggler, replaced by a spare at "
+        f"the next checkpoint; times every module's forward (default {DEFAULT_STRAGGLER_FACTOR:g}:"
+        " off)",
+    )
+    d.add_argument(
         "--job-dir",
         default=env_default("job_dir", None),
         help="job directory (default $SLURM_SUBMIT_DIR/.dlrover-hpc/$SLURM_JOB_ID)",
@@ -286,6 +304,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         training_script_args=tuple(args.training_script_args),
         link_timeout_s=args.link_timeout,
         reconnect_timeout_s=args.reconnect_timeout,
+        hang_timeout_s=args.hang_timeout,
+        straggler_factor=args.straggler_factor,
         rdzv_endpoint=args.rdzv_endpoint,
     )
 

@@ -13,6 +13,7 @@ import logging
 
 from dlrover_hpc.events import EventName
 from dlrover_hpc.master import decisions as d
+from dlrover_hpc.master.hangs import HangWatch
 from dlrover_hpc.master.job import Job
 from dlrover_hpc.master.nodes import NodeRecord, NodeState, node_rows
 from dlrover_hpc.master.phases import Phase
@@ -22,8 +23,9 @@ log = logging.getLogger(__name__)
 
 
 class AgentHandlers:
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, hangs: HangWatch | None = None) -> None:
         self.job = job
+        self.hangs = hangs
         self._ids = itertools.count(1)
 
     def _record_of(self, agent_id: str) -> NodeRecord:
@@ -72,6 +74,8 @@ class AgentHandlers:
         self.job.relaunches.joined(msg.node)
         self.job.netcheck.enabled |= msg.network_check  # any agent's --network-check turns it on
         self.job.netcheck.exclude_straggler |= msg.exclude_straggler
+        if self.hangs is not None:
+            self.hangs.joined(msg)
         log.info("agent joined agent=%s node=%s excluded=%s", agent_id, msg.node, excluded)
         if self.job.phase is Phase.RUNNING and not excluded:
             log.info("spare waiting agent=%s", agent_id)
@@ -174,6 +178,8 @@ class AgentHandlers:
         rec = self._record_of(msg.agent_id)
         rec.last_seen = self.job.clock()
         rec.disconnected_at, rec.link_timed_out = None, False
+        if self.hangs is not None and msg.round == self.job.round and rec.state is NodeState.ACTIVE:
+            self.hangs.heartbeat(rec.node, msg.progress)
         return m.HeartbeatReply(round=self.job.round, finished=self.job.ended)
 
     def workers_started(self, msg: m.WorkersStarted) -> m.Ack:
@@ -236,11 +242,12 @@ class AgentHandlers:
         return m.Ack()
 
     def checkpoint_part(self, msg: m.CheckpointPart) -> m.CheckpointCommit:
-        return m.CheckpointCommit(
-            commit=self.job.commits.part_durable(
-                step=msg.step, ranks=msg.ranks, world_size=msg.world_size, path=msg.path
-            )
+        commit = self.job.commits.part_durable(
+            step=msg.step, ranks=msg.ranks, world_size=msg.world_size, path=msg.path
         )
+        if commit and self.hangs is not None:
+            self.hangs.committed()  # a straggler's node may go now
+        return m.CheckpointCommit(commit=commit)
 
     # -------------------------------------------------------------- timers
     def disconnected(self, agent_id: str, *, link_timed_out: bool = False) -> None:

@@ -21,6 +21,7 @@ from dlrover_hpc.jobdir import make_job_dir
 from dlrover_hpc.master import failover
 from dlrover_hpc.master.decisions import Relaunch
 from dlrover_hpc.master.handlers import AgentHandlers
+from dlrover_hpc.master.hangs import HangWatch
 from dlrover_hpc.master.job import Job
 from dlrover_hpc.master.journal import EventLog, Journal
 from dlrover_hpc.master.policy import NodeRemover
@@ -90,7 +91,8 @@ class MasterServer:
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.port = 0
-        self.agents = AgentHandlers(self.job)
+        self.hangs = HangWatch(self.job, self.push, job_dir)
+        self.agents = AgentHandlers(self.job, self.hangs)
         self._handlers: dict[type[m.Message], Callable[[Any], Any]] = {
             m.Join: self.agents.join,
             m.WaitRound: self.agents.wait_round,
@@ -102,6 +104,8 @@ class MasterServer:
             m.StatusRequest: self.agents.status,
             m.Event: self._event,
             m.NetcheckReport: self.agents.netcheck_report,
+            m.StacksDumped: self.hangs.stacks_dumped,
+            m.StacksRequest: self.hangs.stacks_request,
         }
 
     def _in_thread(self, fn: Callable[..., None]) -> Callable[..., None]:
@@ -275,6 +279,7 @@ class MasterServer:
             await asyncio.sleep(0.5)
             self.agents.check_liveness()  # O(nodes): on this timer only, not on every change
             self.agents.check_capacity()
+            self.hangs.check()
             self.job.poke()
 
     async def _lease(self) -> None:

@@ -23,6 +23,7 @@ from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
 
 STATUS_TIMEOUT_S = 10.0
+STACKS_TIMEOUT_S = 30.0  # the master waits up to 15 s for the agents' stacks
 IN_JOB = "srun --jobid=JOB --overlap -N1 -n1 dlrover-hpc status"
 
 
@@ -181,7 +182,8 @@ def format_status(status: m.StatusReply) -> str:
     return "\n".join(lines)
 
 
-def print_status(*, master: str | None, job_dir: str | None, as_json: bool) -> int:
+def _find(master: str | None, job_dir: str | None) -> tuple[MasterInfo, str]:
+    """The job master's address and the job token."""
     if master:
         host, port = parse_host_port(master, flag="--master")
         info = MasterInfo(host=host, port=port)
@@ -198,6 +200,11 @@ def print_status(*, master: str | None, job_dir: str | None, as_json: bool) -> i
             f"cannot read {directory / 'token'}: permission denied; run 'dlrover-hpc status' as "
             "the user who runs the job, or set DLROVER_HPC_TOKEN"
         ) from None
+    return info, token
+
+
+def print_status(*, master: str | None, job_dir: str | None, as_json: bool) -> int:
+    info, token = _find(master, job_dir)
     try:
         status = asyncio.run(fetch_status(info.host, info.port, token))
     except (OSError, TimeoutError) as exc:
@@ -206,4 +213,24 @@ def print_status(*, master: str | None, job_dir: str | None, as_json: bool) -> i
         print(json.dumps(dataclasses.asdict(status), indent=1))
     else:
         print(format_status(status))
+    return 0
+
+
+async def fetch_stacks(host: str, port: int, token: str) -> m.StacksReply:
+    client = await MasterClient.connect(host, port, token=token, timeout_s=STATUS_TIMEOUT_S)
+    try:  # the agents read their workers' stacks: allow for that
+        return await client.request(m.StacksRequest(), m.StacksReply, timeout_s=STACKS_TIMEOUT_S)
+    finally:
+        await client.close()
+
+
+def print_stacks(*, master: str | None, job_dir: str | None) -> int:
+    """``dlrover-hpc stacks``: every rank's stack now, grouped; kept in the job directory."""
+    info, token = _find(master, job_dir)
+    try:
+        reply = asyncio.run(fetch_stacks(info.host, info.port, token))
+    except (OSError, TimeoutError) as exc:
+        raise _unreachable(info, exc) from None
+    print(reply.text, end="")
+    print(f"(each rank's stack: {reply.directory})")
     return 0

@@ -59,6 +59,8 @@ class Join(Message):
     round: int = 0
     round_state: NodeState = NodeState.WAITING
     master_lost_at: float = 0.0  # wall clock when its connection to the master dropped
+    hang_timeout_s: float = 0.0  # --hang-timeout (0: off)
+    straggler_factor: float = 0.0  # --straggler-factor (0: off)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,10 +115,21 @@ class NetcheckReport(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RankProgress:
+    """A worker's progress as its agent sees it (hang and straggler detection)."""
+
+    rank: int
+    step: int
+    stalled_s: float  # since its step or its stack last changed
+    forward_s: float = 0.0  # its newest step's time in the model's forward (0: unknown)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Heartbeat(Message):
     TYPE: ClassVar[str] = "heartbeat"
     agent_id: str
     round: int
+    progress: list[RankProgress] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -224,33 +237,57 @@ class RoundChanged(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RankStackRow:
+    rank: int
+    node: str
+    pid: int
+    status: str  # the process's state (psutil), or "gone"
+    step: int
+    error: str = ""  # why the stack could not be read
+    stack: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # diagnosis.stacks
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class DumpStacks(Message):
+    """Pushed by the master: read your workers' stacks, answer with :class:`StacksDumped`."""
+
+    TYPE: ClassVar[str] = "dump_stacks"
+    request_id: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StacksDumped(Message):
+    TYPE: ClassVar[str] = "stacks_dumped"
+    agent_id: str
+    request_id: int
+    ranks: list[RankStackRow]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StacksRequest(Message):
+    """``dlrover-hpc stacks``: every rank's stack now, merged."""
+
+    TYPE: ClassVar[str] = "stacks_request"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StacksReply(Message):
+    TYPE: ClassVar[str] = "stacks_reply"
+    directory: str
+    text: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ErrorReply(Message):
     TYPE: ClassVar[str] = "error"
     message: str
 
 
+#: Every message kind defined above, by its TYPE.
 REGISTRY: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (
-        Join,
-        JoinReply,
-        WaitRound,
-        Assignment,
-        Heartbeat,
-        HeartbeatReply,
-        WorkersStarted,
-        WorkerFailed,
-        WorkersSucceeded,
-        Ack,
-        StatusRequest,
-        StatusReply,
-        CheckpointPart,
-        CheckpointCommit,
-        Event,
-        RoundChanged,
-        ErrorReply,
-        NetcheckReport,
-    )
+    for cls in list(globals().values())
+    if isinstance(cls, type) and issubclass(cls, Message) and cls.TYPE
 }
 
 M = TypeVar("M", bound=Message)

@@ -21,18 +21,20 @@ import psutil
 import pytest
 from runtime_helpers import BIN, events, named
 
+from dlrover_hpc.agent.watchdog import sweep_stale
 from dlrover_hpc.testing import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
-# argv: OUT_DIR MODE.  MODE "zygote": only a worker forked from the zygote (torch preloaded)
+# argv: OUT_DIR MODE.  MODE "zygote": only a worker forked from the zygote (its parent)
 # reports; the others wait until the zygote listens and fail, so the restart comes from it.
 SCRIPT = """\
 import getpass, json, os, signal, sys, time
 from pathlib import Path
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
-if mode == "zygote" and "torch" not in sys.modules:
+parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\\0", b" ")
+if mode == "zygote" and b"zygote serve" not in parent:  # not forked by the zygote
     sock = Path(f"/tmp/dlrover-hpc-{getpass.getuser()}-agent{os.getppid()}-zygote.sock")
     deadline = time.monotonic() + 60
     while not sock.exists() and time.monotonic() < deadline:
@@ -86,6 +88,14 @@ def started() -> Iterator[Started]:
             *Path("/tmp").glob(f"dlrover-hpc-{user}-standalone-{pid}-*.sock"),
         ):
             sock.unlink(missing_ok=True)
+    # The workers' progress records of a SIGKILLed agent: the next agent on the node sweeps.
+    sweep_stale()
+    left = [
+        p.name
+        for p in Path("/dev/shm").glob(f"dlrover-hpc-{user}-*.progress*")
+        if any(f"-a{pid}-" in p.name for pid in record.agents)
+    ]
+    assert not left, left
 
 
 def _start(tmp_path: Path, path: str, started: Started) -> subprocess.Popen[bytes]:

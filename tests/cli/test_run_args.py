@@ -100,7 +100,8 @@ def test_dlrover_hpc_help_lists_subcommands() -> None:
             "--standalone runs its own in-process master; drop --master",
         ),
         (["--standalone", "--nnodes=2", "t.py"], "--standalone is for one node"),
-        (["--exclude-straggler", "t.py"], "--exclude-straggler needs --network-check"),
+        (["--hang-timeout=-1", "t.py"], "--hang-timeout=-1: must be 0 (off) or seconds"),
+        (["--straggler-factor=1", "t.py"], "--straggler-factor=1: must be 0 (off) or more than 1"),
         (
             ["--nnodes=2:4", "--node-unit=8", "t.py"],
             "--node-unit=8 is larger than --nnodes maximum 4",

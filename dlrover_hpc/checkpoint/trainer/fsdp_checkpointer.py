@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from dlrover_hpc import progress
 from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
 from dlrover_hpc.checkpoint.env import WorkerEnv
 from dlrover_hpc.checkpoint.formats.dcp_layout import METADATA_FILE
@@ -73,6 +74,7 @@ class FsdpShardCheckpointer(CheckpointerBase):
         storage_type: StorageType = StorageType.DISK,
     ) -> bool:
         """Runs a DCP save into shared memory (all ranks call it); DISK also persists."""
+        progress.step(step)  # a save is a progress signal (hang detection)
         t0 = time.perf_counter()
         engine = self._engine
         path = path or posixpath.join(self.checkpoint_dir, str(step))

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dlrover_hpc import progress
 from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
 from dlrover_hpc.checkpoint.env import WorkerEnv
 from dlrover_hpc.checkpoint.formats.torchfile import (
@@ -103,6 +104,7 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
         """Copies `state_dict` into shared memory (the only blocking part); with DISK the
         agent's saver then persists it.  Returns False (with a warning) when the step could
         not be kept, in which case the previous checkpoint is untouched."""
+        progress.step(step)  # a save is a progress signal (hang detection)
         t0 = time.perf_counter()
         engine = self._engine
         path = path or self._default_path(step)

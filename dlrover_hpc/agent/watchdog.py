@@ -1,0 +1,251 @@
+"""The agent watches its workers make progress and reads their stacks (issue 13).
+
+A worker progresses when its progress record changes (an optimizer step, a flash-checkpoint
+save, an explicit ``dlrover_hpc.progress.step``) or, between those, when its Python stack
+changes; a worker that never reported a step (started without the zygote's hooks, no torch
+optimizer) also progresses while it uses CPU.  Stacks are read only while a worker's steps
+stall (every ``sample_s``), with py-spy as the job's own user; where the kernel forbids that
+(Yama ``ptrace_scope`` 2 or 3), the agent says so once and asks the worker itself
+(faulthandler on SIGUSR2, set up by :mod:`dlrover_hpc.agent.worker_hooks`).  A stopped process
+cannot answer that signal, so py-spy comes first.  Blocking: the agent calls it from a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import getpass
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+
+import psutil
+
+from dlrover_hpc import progress
+from dlrover_hpc.agent.master_link import MasterLink
+from dlrover_hpc.agent.worker_hooks import STACK_SIGNAL, stack_file
+from dlrover_hpc.diagnosis import stacks as st
+from dlrover_hpc.protocol import messages as m
+
+log = logging.getLogger(__name__)
+
+PY_SPY_TIMEOUT_S = 10.0
+BUSY_CPU = 0.02  # of one core: a worker with no step signal that uses this much is working
+FAULTHANDLER_WAIT_S = 2.0
+
+
+def _base() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+
+def progress_template(job_id: str, node: str, agent_pid: int | None = None) -> str:
+    """Where each worker's progress record is, ``{}`` standing for its local rank: node-local
+    (``/dev/shm``); names carry user, job, node and agent, so two jobs never collide and the
+    records of a SIGKILLed agent can be told apart (:func:`sweep_stale`)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{getpass.getuser()}-{job_id}-{node}")
+    pid = os.getpid() if agent_pid is None else agent_pid
+    return os.path.join(_base(), f"dlrover-hpc-{safe}-a{pid}-{{}}.progress")
+
+
+_RECORD_NAME = re.compile(r"^dlrover-hpc-.*-a(\d+)-\d+\.progress(\.stack)?$")
+
+
+def sweep_stale() -> list[str]:
+    """Remove this user's progress records whose agent is gone (it was SIGKILLed)."""
+    removed = []
+    prefix = f"dlrover-hpc-{re.sub(r'[^A-Za-z0-9_.-]', '_', getpass.getuser())}-"
+    for name in os.listdir(_base()):
+        found = _RECORD_NAME.match(name) if name.startswith(prefix) else None
+        if found is None or psutil.pid_exists(int(found.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(_base(), name))
+            removed.append(name)
+    return removed
+
+
+def _py_spy() -> str | None:
+    here = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return here if os.path.exists(here) else shutil.which("py-spy")
+
+
+class StackReader:
+    """py-spy first, then the worker's own faulthandler; says once why py-spy cannot."""
+
+    def __init__(self) -> None:
+        self.py_spy = _py_spy()
+        self._warned = False
+
+    def read(self, pid: int, progress_file: str) -> tuple[st.Stack | None, str]:
+        error = "py-spy is not installed"
+        if self.py_spy is not None:
+            try:
+                out = subprocess.run(
+                    [self.py_spy, "dump", "--pid", str(pid), "--json", "--nonblocking"],
+                    capture_output=True,
+                    text=True,
+                    timeout=PY_SPY_TIMEOUT_S,
+                )
+                if out.returncode == 0:
+                    return st.from_py_spy(json.loads(out.stdout)), ""
+                error = (out.stderr.strip() or out.stdout.strip())[-300:] or "py-spy failed"
+            except (subprocess.TimeoutExpired, json.JSONDecodeError, OSError) as exc:
+                error = f"py-spy: {exc}"
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "cannot read worker stacks with py-spy (%s); asking the workers (faulthandler "
+                "on %s) instead, which a stopped process cannot answer",
+                error,
+                STACK_SIGNAL.name,
+            )
+        return self._faulthandler(pid, stack_file(progress_file), error)
+
+    @staticmethod
+    def _faulthandler(pid: int, path: str, why: str) -> tuple[st.Stack | None, str]:
+        record = progress.read(path.removesuffix(".stack"))
+        if record is None or record.pid != pid or not os.path.exists(path):
+            # No handler: SIGUSR2 would end the process (a worker without the hooks).
+            return None, f"{why}; the worker has no stack handler (started without hooks)"
+        try:
+            before = os.path.getsize(path)
+            os.kill(pid, STACK_SIGNAL)
+        except OSError as exc:
+            return None, f"{why}; faulthandler: {exc}"
+        deadline = time.monotonic() + FAULTHANDLER_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            with contextlib.suppress(OSError), open(path, "rb") as f:
+                f.seek(before)
+                text = f.read().decode(errors="replace")
+                stack = st.from_faulthandler(text)
+                if stack.threads and text.endswith("\n"):
+                    return stack, ""
+        return None, f"{why}; the process did not answer {STACK_SIGNAL.name}"
+
+
+def status_of(pid: int) -> str:
+    try:
+        return str(psutil.Process(pid).status())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return "gone"
+
+
+@dataclasses.dataclass(slots=True)
+class _Rank:
+    rank: int
+    pid: int  # the process torch's API started (a zygote client); the record names the worker
+    path: str
+    count: int = -1
+    step: int = -1
+    forward_s: float = 0.0
+    changed_at: float = 0.0
+    sampled_at: float = 0.0
+    signature: tuple[st.Frame, ...] = ()
+    cpu: tuple[float, float] = (0.0, 0.0)  # CPU seconds used, and when that was read
+
+    def worker_pid(self) -> int:
+        record = progress.read(self.path)
+        return record.pid if record is not None and record.pid > 0 else self.pid
+
+
+class Watchdog:
+    def __init__(self, *, sample_s: float) -> None:
+        self.sample_s = sample_s
+        self.reader = StackReader()
+        self._ranks: dict[int, _Rank] = {}
+
+    def start_round(self, ranks: Mapping[int, tuple[int, int, str]]) -> None:
+        """``local_rank -> (rank, pid, progress file)`` of the workers just started."""
+        now = time.monotonic()
+        self._ranks = {
+            lr: _Rank(rank, pid, path, changed_at=now) for lr, (rank, pid, path) in ranks.items()
+        }
+
+    def stop_round(self) -> None:
+        for r in self._ranks.values():
+            for path in (r.path, stack_file(r.path)):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        self._ranks = {}
+
+    def poll(self) -> list[m.RankProgress]:
+        """Each worker's step and how long since it last progressed."""
+        now = time.monotonic()
+        out = []
+        for r in self._ranks.values():
+            record = progress.read(r.path)
+            if record is not None and record.count != r.count:
+                r.count, r.step, r.changed_at = record.count, record.step, now
+                r.forward_s = record.forward_s or r.forward_s
+                r.signature = ()  # stacks are compared among samples taken since
+            elif now - r.changed_at >= self.sample_s and now - r.sampled_at >= self.sample_s:
+                r.sampled_at = now
+                stack, _ = self.reader.read(r.worker_pid(), r.path)
+                signature = stack.signature() if stack is not None else ()
+                if signature and r.signature and signature != r.signature:
+                    r.changed_at = now  # it moves: busy between steps, not stuck
+                r.signature = signature or r.signature
+                if r.count <= 1 and self._busy(r, now):
+                    r.changed_at = now  # never reported a step: its CPU use is the signal
+            out.append(
+                m.RankProgress(
+                    rank=r.rank,
+                    step=r.step,
+                    stalled_s=round(now - r.changed_at, 3),
+                    forward_s=r.forward_s,
+                )
+            )
+        return out
+
+    @staticmethod
+    def _busy(r: _Rank, now: float) -> bool:
+        """It used more than :data:`BUSY_CPU` of a core since the last sample (a worker that
+        waits in a collective or is stopped uses next to nothing)."""
+        try:
+            times = psutil.Process(r.worker_pid()).cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return False
+        cpu, (last_cpu, last_at) = times.user + times.system, r.cpu
+        r.cpu = (cpu, now)
+        return last_at > 0 and (cpu - last_cpu) >= BUSY_CPU * (now - last_at)
+
+    def dump(self, node: str) -> list[m.RankStackRow]:
+        """Every worker's stack now."""
+        rows = []
+        for r in self._ranks.values():
+            pid = r.worker_pid()
+            status = status_of(pid)
+            stack, error = (
+                (None, "the process is gone") if status == "gone" else self.reader.read(pid, r.path)
+            )
+            rows.append(
+                m.RankStackRow(
+                    rank=r.rank,
+                    node=node,
+                    pid=pid,
+                    status=status,
+                    step=r.step,
+                    error=error,
+                    stack=st.to_json(stack),
+                )
+            )
+        return rows
+
+    async def answer(self, link: MasterLink, agent_id: str, node: str, request_id: int) -> None:
+        """The master's :class:`m.DumpStacks`: every worker's stack, sent back."""
+        rows = await asyncio.to_thread(self.dump, node)
+        msg = m.StacksDumped(agent_id=agent_id, request_id=request_id, ranks=rows)
+        await link.request(msg, m.Ack, timeout_s=30)
+
+
+def default_sample_s(hang_timeout_s: float) -> float:
+    """Stacks are compared this often while steps stall: a sixth of the hang timeout."""
+    return min(60.0, max(1.0, hang_timeout_s / 6)) if hang_timeout_s else float("inf")

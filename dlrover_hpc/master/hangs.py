@@ -1,0 +1,239 @@
+"""Hangs and runtime stragglers, seen from the master (issue 13).
+
+Agents report each worker's step, how long since it last progressed, and its forward time in
+every heartbeat.  When no rank of the running round progressed for ``--hang-timeout``, the
+master asks every agent for its workers' stacks, writes them to ``<job dir>/hangs/<UTC time>/``
+(``rank-N.txt`` and ``merged.txt``), emits ``hang_detected`` and restarts the workers from the
+newest checkpoint.  The second hang blamed on one node is a node fault: it is excluded and
+drained (or quarantined), and a spare or a smaller round takes over.  A rank whose forward
+takes ``--straggler-factor`` times the median for :data:`STRAGGLER_WINDOW_S` is reported
+(``straggler_detected``); with ``--exclude-straggler`` its node is swapped out at the next
+committed checkpoint.  ``dlrover-hpc stacks`` uses the same collection, on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from dlrover_hpc.diagnosis import stacks as st
+from dlrover_hpc.events import EventName
+from dlrover_hpc.master import decisions as d
+from dlrover_hpc.master.job import Job
+from dlrover_hpc.master.nodes import NodeState
+from dlrover_hpc.master.phases import Phase
+from dlrover_hpc.protocol import messages as m
+
+log = logging.getLogger(__name__)
+
+COLLECT_TIMEOUT_S = 15.0
+STRAGGLER_WINDOW_S = 30.0
+HANGS_PER_NODE_FAULT = 2  # the second hang blamed on a node excludes it
+
+
+@dataclasses.dataclass(slots=True)
+class _Seen:
+    progress: m.RankProgress
+    node: str
+    at: float  # master clock when the report arrived
+
+
+def hung_ranks(
+    seen: Sequence[tuple[m.RankProgress, float]], *, now: float, timeout_s: float
+) -> bool:
+    """No rank progressed for ``timeout_s`` (each report aged by the time since it arrived)."""
+    return bool(seen) and all(p.stalled_s + (now - at) >= timeout_s for p, at in seen)
+
+
+def stragglers(forward: dict[int, float], factor: float) -> dict[int, float]:
+    """Ranks whose forward takes ``factor`` times the median of the others' (rank -> ratio)."""
+    timed = {r: s for r, s in forward.items() if s > 0}
+    out = {}
+    for rank, seconds in timed.items():
+        others = [s for r, s in timed.items() if r != rank]
+        if len(others) >= 1:
+            median = statistics.median(others)
+            if median > 0 and seconds / median >= factor:
+                out[rank] = round(seconds / median, 2)
+    return out
+
+
+class HangWatch:
+    def __init__(self, job: Job, push: Callable[[str, m.Message], None], job_dir: Path) -> None:
+        self.job, self._push, self.job_dir = job, push, job_dir
+        self.timeout_s = job.config.hang_timeout_s  # 0: the agents' (see joined)
+        self.straggler_factor = 0.0
+        self.exclude_straggler = False
+        self._seen: dict[int, _Seen] = {}
+        self._round = -1
+        self._busy = False
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, tuple[set[str], list[m.RankStackRow], asyncio.Event]] = {}
+        self.hangs_by_node: dict[str, int] = {}
+        self._slow_since: dict[int, float] = {}
+        self._reported: set[int] = set()  # stragglers reported in this round
+        self._swap: str | None = None  # a straggler's node, out at the next commit
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ reports
+    def joined(self, msg: m.Join) -> None:
+        """Each agent's flags: the longest --hang-timeout (unless the master's own is set),
+        the largest --straggler-factor, and whether any wants stragglers excluded."""
+        if not self.job.config.hang_timeout_s:
+            self.timeout_s = max(self.timeout_s, msg.hang_timeout_s)
+        self.straggler_factor = max(self.straggler_factor, msg.straggler_factor)
+        self.exclude_straggler |= msg.exclude_straggler
+
+    def heartbeat(self, rec_node: str, progress: Sequence[m.RankProgress]) -> None:
+        if self.job.round != self._round:
+            self._seen.clear()
+            self._slow_since.clear()
+            self._reported.clear()
+            self._round = self.job.round
+        now = self.job.clock()
+        for p in progress:
+            self._seen[p.rank] = _Seen(p, rec_node, now)
+
+    def stacks_dumped(self, msg: m.StacksDumped) -> m.Ack:
+        waiting = self._waiting.get(msg.request_id)
+        if waiting is not None:
+            agents, rows, done = waiting
+            agents.discard(msg.agent_id)
+            rows.extend(msg.ranks)
+            if not agents:
+                done.set()
+        return m.Ack()
+
+    # ------------------------------------------------------------------ the check
+    def check(self) -> None:
+        """On the master's liveness tick."""
+        job = self.job
+        if job.phase is not Phase.RUNNING or self._busy:
+            return
+        now = job.clock()
+        world = sum(n.nproc for n in job.participants())
+        seen = [(s.progress, s.at) for s in self._seen.values()]
+        ready = self.timeout_s and len(seen) >= world > 0
+        if ready and hung_ranks(seen, now=now, timeout_s=self.timeout_s):
+            self._busy = True
+            self._task = asyncio.get_running_loop().create_task(self._hang())
+            return
+        if self.straggler_factor:
+            self._check_stragglers(now)
+
+    def _check_stragglers(self, now: float) -> None:
+        forward = {r: s.progress.forward_s for r, s in self._seen.items()}
+        slow = stragglers(forward, self.straggler_factor)
+        for rank in list(self._slow_since):
+            if rank not in slow:
+                del self._slow_since[rank]
+        for rank, ratio in slow.items():
+            since = self._slow_since.setdefault(rank, now)
+            if now - since < STRAGGLER_WINDOW_S or rank in self._reported:
+                continue
+            self._reported.add(rank)
+            node = self._seen[rank].node
+            log.warning("straggler node=%s rank=%d ratio=%.2f", node, rank, ratio)
+            self.job.emit(EventName.STRAGGLER_DETECTED, node=node, rank=rank, ratio=ratio)
+            if self.exclude_straggler and self._swap is None:
+                self._swap = node
+
+    def committed(self) -> None:
+        """A checkpoint was committed: the time to swap a straggler's node for a spare."""
+        node, self._swap = self._swap, None
+        if node is not None and self.job.phase is Phase.RUNNING:
+            self.job.apply([d.Exclude(node, "runtime straggler")])
+
+    # ------------------------------------------------------------------ stacks
+    async def collect(self, directory: Path, title: str) -> tuple[list[st.RankStack], str]:
+        """Every worker's stack, written to ``directory``; returns them and the merged view."""
+        agents = {n.agent_id for n in self.job.nodes.values() if n.state is NodeState.ACTIVE}
+        request_id = next(self._ids)
+        done = asyncio.Event()
+        rows: list[m.RankStackRow] = []
+        self._waiting[request_id] = (set(agents), rows, done)
+        for agent in agents:
+            self._push(agent, m.DumpStacks(request_id=request_id))
+        try:
+            if agents:
+                async with asyncio.timeout(COLLECT_TIMEOUT_S):
+                    await done.wait()
+        except TimeoutError:
+            log.warning("stacks missing from agents=%s", sorted(self._waiting[request_id][0]))
+        finally:
+            del self._waiting[request_id]
+        ranks = [
+            st.RankStack(
+                r.rank, r.node, r.pid, r.status, st.from_json(r.stack), step=r.step, error=r.error
+            )
+            for r in rows
+        ]
+        merged = st.render(ranks, title=title)
+        await asyncio.to_thread(_write, directory, ranks, merged)
+        return ranks, merged
+
+    async def stacks_request(self, _msg: m.StacksRequest) -> m.StacksReply:
+        """``dlrover-hpc stacks``: every worker's stack now, kept under ``stacks/``."""
+        directory = self.job_dir / "stacks" / _stamp()
+        title = f"job {self.job.config.job_id}, round {self.job.round}, {self.job.phase}"
+        _, merged = await self.collect(directory, title)
+        return m.StacksReply(directory=str(directory), text=merged)
+
+    async def _hang(self) -> None:
+        job = self.job
+        try:
+            directory = self.job_dir / "hangs" / _stamp()
+            last = {r: s.progress.step for r, s in sorted(self._seen.items())}
+            title = f"hang: no rank progressed for {self.timeout_s:g} s (round {job.round})"
+            ranks, _ = await self.collect(directory, title)
+            found = st.suspect(ranks)
+            suspect_rank, why = found if found else (-1, "no rank stands out")
+            node = next((r.node for r in ranks if r.rank == suspect_rank), "")
+            groups = st.merge(ranks)
+            job.emit(
+                EventName.HANG_DETECTED,
+                ranks=sorted(last),
+                last_step=last,
+                frame=groups[0].where if groups else "",
+                suspected_rank=suspect_rank,
+                suspected_node=node,
+                why=why,
+                directory=str(directory),
+            )
+            log.error("hang detected suspect=%d (%s) stacks=%s", suspect_rank, why, directory)
+            if job.phase is not Phase.RUNNING or job.round != self._round:
+                return  # the round ended meanwhile (a worker failed after all)
+            if node:
+                self.hangs_by_node[node] = self.hangs_by_node.get(node, 0) + 1
+            if node and self.hangs_by_node[node] >= HANGS_PER_NODE_FAULT:
+                reason = f"{self.hangs_by_node[node]} hangs blamed on it ({why})"
+                job.apply([d.Exclude(node, reason), d.RemoveNode(node, reason)])
+            else:
+                reason = f"hang: no progress for {self.timeout_s:g} s"
+                job.apply(
+                    d.charge(
+                        restart_count=job.restart_count,
+                        max_restarts=job.config.max_restarts,
+                        reason=reason,
+                    )
+                )
+        finally:
+            self._seen.clear()
+            self._busy = False
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+
+
+def _write(directory: Path, ranks: Sequence[st.RankStack], merged: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for r in ranks:
+        (directory / f"rank-{r.rank}.txt").write_text(st.rank_text(r))
+    (directory / "merged.txt").write_text(merged)

@@ -1,0 +1,112 @@
+"""The agent's watchdog against real worker processes: progress records in /dev/shm, stacks
+read with py-spy (and faulthandler when py-spy cannot), a SIGSTOPped worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dlrover_hpc import progress
+from dlrover_hpc.agent import watchdog as wd
+from dlrover_hpc.diagnosis import stacks as st
+from dlrover_hpc.testing import wait_for
+
+WORKER = """
+import sys, time
+from dlrover_hpc.agent import worker_hooks
+from dlrover_hpc import progress
+worker_hooks.install()
+
+def wait_in_collective():
+    while True:
+        time.sleep(0.05)
+
+def train(steps):
+    for _ in range(steps):
+        time.sleep(0.05)
+        progress.step()
+    wait_in_collective()
+
+train(int(sys.argv[1]))
+"""
+
+
+def _start(tmp_path: Path, steps: int, local_rank: int = 0) -> tuple[subprocess.Popen, str]:
+    template = wd.progress_template(f"test-{os.getpid()}", tmp_path.name, agent_pid=os.getpid())
+    path = template.format(local_rank)
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, progress.PATH_ENV: path}
+    proc = subprocess.Popen([sys.executable, str(script), str(steps)], env=env)
+    return proc, path
+
+
+def _stop(proc: subprocess.Popen, path: str) -> None:
+    proc.kill()
+    proc.wait()
+    for p in (path, path + ".stack"):
+        if os.path.exists(p):
+            os.unlink(p)
+
+
+def test_progress_then_a_stopped_worker_stalls_and_its_stack_shows_where(tmp_path: Path) -> None:
+    proc, path = _start(tmp_path, steps=30)
+    try:
+        dog = wd.Watchdog(sample_s=0.3)
+        dog.start_round({0: (4, proc.pid, path)})
+        wait_for(
+            lambda: (r := progress.read(path)) is not None and r.step >= 5,
+            timeout_s=20,
+            what="5 steps",
+        )
+        [p] = dog.poll()
+        assert p.rank == 4 and p.step >= 5 and p.stalled_s < 1.0
+        record = progress.read(path)
+        assert record is not None and record.pid == proc.pid
+        wait_for(lambda: getattr(progress.read(path), "step", 0) == 30, timeout_s=20, what="30")
+        dog.poll()
+        os.kill(proc.pid, signal.SIGSTOP)
+        for _ in range(4):  # stacks sampled while the steps stall: always the same one
+            time.sleep(0.4)
+            [p] = dog.poll()
+        assert p.step == 30 and p.stalled_s >= 1.5
+        [row] = dog.dump("nodeX")
+        assert (row.rank, row.node, row.pid, row.status) == (4, "nodeX", proc.pid, "stopped")
+        stack = st.from_json(row.stack)
+        assert stack is not None
+        assert [f.function for f in stack.signature()][:2] == ["wait_in_collective", "train"]
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        _stop(proc, path)
+    dog.stop_round()
+    assert not os.path.exists(path)
+
+
+def test_without_py_spy_the_worker_answers_through_faulthandler(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    proc, path = _start(tmp_path, steps=2)
+    try:
+        wait_for(
+            lambda: (r := progress.read(path)) is not None and r.step == 2,
+            timeout_s=20,
+            what="2 steps",
+        )
+        reader = wd.StackReader()
+        reader.py_spy = None  # as where Yama or a container forbids reading the process
+        stack, error = reader.read(proc.pid, path)
+        assert error == "" and stack is not None
+        assert [f.function for f in stack.signature()][:2] == ["wait_in_collective", "train"]
+        assert "cannot read worker stacks with py-spy (py-spy is not installed)" in caplog.text
+        os.kill(proc.pid, signal.SIGSTOP)  # a stopped process cannot answer: said so
+        stack, error = reader.read(proc.pid, path)
+        assert stack is None and "did not answer SIGUSR2" in error
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        _stop(proc, path)

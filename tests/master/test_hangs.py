@@ -1,0 +1,161 @@
+"""Hangs and stragglers at the master, driven through the real Job with agents answering
+DumpStacks as they would; real files, only the clock is ours."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from dlrover_hpc.diagnosis import stacks as st
+from dlrover_hpc.master import hangs
+from dlrover_hpc.master.hangs import HangWatch
+from dlrover_hpc.master.nodes import NodeState
+from dlrover_hpc.master.phases import Phase
+from dlrover_hpc.protocol import messages as m
+
+from .test_job import Harness, run
+
+
+def _stack(*frames: str) -> list[dict]:
+    thread = st.Thread("MainThread", tuple(st.Frame(f, "train.py", 9) for f in frames), True)
+    return st.to_json(st.Stack((thread,)))
+
+
+def test_no_progress_anywhere_is_a_hang_one_progressing_rank_is_not() -> None:
+    p = [
+        m.RankProgress(rank=0, step=5, stalled_s=18.0),
+        m.RankProgress(rank=1, step=5, stalled_s=25),
+    ]
+    assert not hangs.hung_ranks([(p[0], 10.0), (p[1], 10.0)], now=11.0, timeout_s=20)
+    assert hangs.hung_ranks([(p[0], 10.0), (p[1], 10.0)], now=12.0, timeout_s=20)
+    assert not hangs.hung_ranks([], now=99.0, timeout_s=20)
+
+
+def test_a_rank_far_slower_than_the_median_is_a_straggler() -> None:
+    assert hangs.stragglers({0: 0.1, 1: 0.11, 2: 0.1, 3: 0.35}, 2.0) == {3: 3.5}
+    assert hangs.stragglers({0: 0.1, 1: 0.15}, 2.0) == {}
+    assert hangs.stragglers({0: 0.1, 1: 0.0}, 2.0) == {}  # no timing: never a straggler
+
+
+def _ranks(h: Harness, agent: str) -> list[int]:
+    """The global ranks of an agent's two workers (the harness's nodes run two each)."""
+    rec = h.job.nodes[agent]
+    assert rec.assignment is not None
+    return [rec.assignment.rank_offset + lr for lr in range(rec.nproc)]
+
+
+class Agents:
+    """Answers the master's DumpStacks as agents would; rank 3 is stopped."""
+
+    def __init__(self, h: Harness, watch: HangWatch) -> None:
+        self.h, self.watch = h, watch
+
+    def push(self, agent: str, msg: m.Message) -> None:
+        self.h.pushed.append((agent, msg))
+        if isinstance(msg, m.DumpStacks):
+            node = self.h.job.nodes[agent].node
+            rows = [
+                m.RankStackRow(
+                    rank=rank,
+                    node=node,
+                    pid=1000 + rank,
+                    status="stopped" if rank == 3 else "sleeping",
+                    step=41 if rank == 3 else 42,
+                    stack=_stack("step", "train") if rank == 3 else _stack("all_reduce", "train"),
+                )
+                for rank in _ranks(self.h, agent)
+            ]
+            reply = m.StacksDumped(agent_id=agent, request_id=msg.request_id, ranks=rows)
+            asyncio.get_running_loop().call_soon(self.watch.stacks_dumped, reply)
+
+
+def _watch(h: Harness, tmp: Path) -> HangWatch:
+    watch = HangWatch(h.job, lambda a, msg: None, tmp)
+    agents = Agents(h, watch)
+    watch._push = agents.push  # the server's push, as the agents see it
+    watch.timeout_s = 20.0
+    return watch
+
+
+def _beat(h: Harness, watch: HangWatch, agents: list[str], stalled: float) -> None:
+    for agent in agents:
+        progress = [
+            m.RankProgress(rank=rank, step=41 if rank == 3 else 42, stalled_s=stalled)
+            for rank in _ranks(h, agent)
+        ]
+        watch.heartbeat(h.job.nodes[agent].node, progress)
+
+
+def test_a_hang_dumps_every_stack_names_the_stopped_rank_and_restarts(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2", max_restarts=3)
+        agents = h.start("n1", "n2")
+        watch = _watch(h, tmp_path)
+        _beat(h, watch, agents, stalled=5.0)
+        watch.check()
+        assert h.job.phase is Phase.RUNNING and not h.events("hang_detected")
+        _beat(h, watch, agents, stalled=21.0)
+        watch.check()
+        await asyncio.wait_for(watch._task, 5)  # type: ignore[arg-type]
+        [hang] = h.events("hang_detected")
+        assert hang["suspected_rank"] == 3 and hang["why"] == "its process is stopped"
+        assert hang["suspected_node"] == "n2" and hang["frame"] == "all_reduce <- train"
+        assert hang["last_step"] == {"0": 42, "1": 42, "2": 42, "3": 41}
+        assert hang["ranks"] == [0, 1, 2, 3]
+        directory = Path(hang["directory"])
+        assert directory.parent == tmp_path / "hangs"
+        names = sorted(p.name for p in directory.iterdir())
+        assert names == ["merged.txt", "rank-0.txt", "rank-1.txt", "rank-2.txt", "rank-3.txt"]
+        merged = (directory / "merged.txt").read_text()
+        assert "suspect: rank 3 (its process is stopped)" in merged
+        assert "ranks 0-2 on n1,n2: all_reduce <- train" in merged
+        assert "status stopped step 41" in (directory / "rank-3.txt").read_text()
+        assert h.job.phase is Phase.RESTARTING and h.job.restart_count == 1
+
+    run(body)
+
+
+def test_a_second_hang_on_the_same_node_excludes_it(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="1:3", max_restarts=3)
+        agents = h.start("n1", "n2")
+        watch = _watch(h, tmp_path)
+        watch.hangs_by_node["n2"] = 1  # an earlier hang was blamed on it
+        _beat(h, watch, agents, stalled=30.0)
+        watch.check()
+        await asyncio.wait_for(watch._task, 5)  # type: ignore[arg-type]
+        assert h.job.nodes[agents[1]].state is NodeState.EXCLUDED
+        assert h.removed and h.removed[0][0] == "n2" and "2 hangs blamed on it" in h.removed[0][1]
+        assert h.job.restart_count == 0 and h.job.phase is Phase.SHRINKING
+
+    run(body)
+
+
+def test_a_sustained_straggler_is_reported_and_swapped_at_the_next_commit(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3")
+        agents = h.start("n1", "n2", "n3")
+        watch = _watch(h, tmp_path)
+        watch.straggler_factor, watch.exclude_straggler = 2.0, True
+        for _ in range(2):
+            for agent, seconds in zip(agents, (0.1, 0.1, 0.5), strict=True):
+                progress = [
+                    m.RankProgress(rank=rank, step=3, stalled_s=0.0, forward_s=seconds)
+                    for rank in _ranks(h, agent)
+                ]
+                watch.heartbeat(h.job.nodes[agent].node, progress)
+            watch.check()
+            assert not h.events("straggler_detected")
+            h.clock.now += hangs.STRAGGLER_WINDOW_S / 2 + 1
+        watch.check()
+        found = h.events("straggler_detected")  # both of n3's workers
+        assert [(e["node"], e["rank"], e["ratio"]) for e in found] == [
+            ("n3", 4, 5.0),
+            ("n3", 5, 5.0),
+        ]
+        assert h.job.phase is Phase.RUNNING  # not before the next checkpoint
+        watch.committed()
+        assert h.job.nodes[agents[2]].state is NodeState.EXCLUDED
+        assert h.job.phase is Phase.SHRINKING
+
+    run(body)

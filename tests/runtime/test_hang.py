@@ -1,0 +1,161 @@
+"""A hung rank (issue 13): two workers under dlrover-run --standalone, one SIGSTOPped; the job
+detects the hang, dumps every stack with the stopped rank singled out, restarts and finishes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from runtime_helpers import BIN, TRAIN, events, named
+
+from dlrover_hpc import progress
+from dlrover_hpc.agent.watchdog import progress_template
+from dlrover_hpc.testing import wait_for
+
+
+def _record(*, job_id: str, proc: subprocess.Popen, local_rank: int) -> str:
+    """The worker's progress record (the console script runs the agent itself)."""
+    node = os.uname().nodename.split(".")[0]
+    return progress_template(job_id, node, agent_pid=proc.pid).format(local_rank)
+
+
+def test_a_stopped_rank_is_detected_dumped_and_the_job_restarts(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    job_dir = tmp_path / "job"
+    proc = subprocess.Popen(
+        [
+            str(BIN / "dlrover-run"),
+            "--standalone",
+            "--nproc-per-node=2",
+            "--hang-timeout=20",
+            f"--job-dir={job_dir}",
+            "--rdzv-id=hangtest",
+            str(TRAIN),
+            "--steps=300",
+            "--step-time=0.05",
+            f"--ckpt-dir={ckpt}",
+            "--ckpt-every=10",
+            f"--result={tmp_path / 'result.json'}",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    record = _record(job_id="hangtest", proc=proc, local_rank=1)
+    stopped_pid = 0
+    try:
+        wait_for(
+            lambda: (r := progress.read(record)) is not None and r.step >= 30,
+            timeout_s=120,
+            what="rank 1 to train 30 steps",
+        )
+        info = progress.read(record)
+        assert info is not None
+        stopped_pid = info.pid
+        os.kill(stopped_pid, signal.SIGSTOP)  # the rank hangs; rank 0 waits in all_reduce
+        stopped_at = time.time()
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if stopped_pid:  # a stopped process left behind would be a leak (the restart kills it)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped_pid, signal.SIGCONT)
+    assert proc.returncode == 0, out[-4000:]
+    evs = events(job_dir)
+    [hang] = named(evs, "hang_detected")
+    latency = hang["time"] - stopped_at
+    print(f"hang detected {latency:.1f} s after SIGSTOP (--hang-timeout=20)")
+    assert latency <= 30.0, hang
+    assert hang["suspected_rank"] == 1 and hang["why"] == "its process is stopped", hang
+    merged = (Path(hang["directory"]) / "merged.txt").read_text()
+    assert merged.splitlines()[1] == "suspect: rank 1 (its process is stopped)", merged
+    assert "rank 0 on" in merged and "rank 1 on" in merged
+    assert (Path(hang["directory"]) / "rank-1.txt").read_text().startswith("rank 1 ")
+    assert [e["restart_count"] for e in named(evs, "workers_restarted")] == [1]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["final_step"] == 300 and result["restart_count"] == 1
+
+
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+HEAVY = """
+import time
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+torch.set_num_threads(1)
+model = DDP(nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)]))  # a forward a CPU limit slows
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+x = torch.randn(128, 512)
+deadline = time.time() + 240
+while time.time() < deadline:
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_a_cpu_throttled_rank_is_reported_as_a_straggler(tmp_path: Path) -> None:
+    if os.geteuid() != 0 or not (CPU_CGROUP / "cgroup.procs").exists():
+        pytest.skip("needs root and the cgroup v1 cpu controller to throttle a rank")
+    job_dir = tmp_path / "job"
+    script = tmp_path / "heavy.py"
+    script.write_text(HEAVY)
+    proc = subprocess.Popen(
+        [
+            str(BIN / "dlrover-run"),
+            "--standalone",
+            "--nproc-per-node=2",
+            "--straggler-factor=3",
+            f"--job-dir={job_dir}",
+            "--rdzv-id=stragglertest",
+            str(script),
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    record = _record(job_id="stragglertest", proc=proc, local_rank=1)
+    group = CPU_CGROUP / f"dlrover-hpc-test-{os.getpid()}"
+    try:
+        wait_for(
+            lambda: (r := progress.read(record)) is not None and r.step >= 20,
+            timeout_s=120,
+            what="rank 1 to train 20 steps",
+        )
+        info = progress.read(record)
+        assert info is not None
+        group.mkdir()
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text("5000")  # 5 % of a core
+        (group / "cgroup.procs").write_text(str(info.pid))
+        throttled_at = time.time()
+        found = wait_for(
+            lambda: named(events(job_dir), "straggler_detected"),
+            timeout_s=120,
+            what="straggler_detected",
+        )
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        if group.exists():
+            wait_for(
+                lambda: not (group / "cgroup.procs").read_text().strip(),
+                timeout_s=30,
+                what="the throttled worker to exit",
+            )
+            group.rmdir()
+    [straggler] = found
+    print(f"straggler detected {straggler['time'] - throttled_at:.1f} s after throttling")
+    assert straggler["rank"] == 1 and straggler["ratio"] >= 3, straggler
