@@ -200,12 +200,12 @@ def ranges(ranks: Sequence[int]) -> str:
 
 
 def render(ranks: Sequence[RankStack], *, title: str = "") -> str:
-    """The merged view: one block per group of identical stacks."""
+    """The merged view: one block per group of identical stacks, the odd group first."""
     lines = [title] if title else []
     found = suspect(ranks)
     if found is not None:
         lines.append(f"suspect: rank {found[0]} ({found[1]})")
-    for g in merge(ranks):
+    for g in reversed(merge(ranks)):  # the odd group first, the largest last
         label = "rank" if len(g.ranks) == 1 else "ranks"
         nodes = sorted({r.node for r in ranks if r.rank in g.ranks})
         lines.append("")
