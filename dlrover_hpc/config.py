@@ -126,8 +126,8 @@ DEFAULT_RECONNECT_TIMEOUT_S = 120.0
 #: restart the workers (gloo's and NCCL's own collective timeout is 30 minutes too).
 DEFAULT_HANG_TIMEOUT_S = 1800.0
 #: ``--straggler-factor``: a rank whose forward takes this many times the median, for 30 s, is
-#: a runtime straggler.  Off by default: timing every module's forward cost 14 % of a 7.6 ms
-#: step of a 16-layer toy MLP (benchmarks/hang_overhead.py; less for larger modules).
+#: a runtime straggler.  Off by default: timing every module's forward cost 0-14 % (median of
+#: three runs 6.5 %) of a 7 ms step of a 16-layer toy MLP (benchmarks/hang_overhead.py).
 DEFAULT_STRAGGLER_FACTOR = 0.0
 
 
