@@ -209,6 +209,9 @@ def analyze(
             redone += a[1] - (b[1] - 1)
             newest = max((s for t, s in saved if t <= a[0]), default=0)
             lost += max(0, newest - (b[1] - 1))
+    # A restart that resumed from the very next step (a save just before the fault) does not
+    # show in the timing; the master's workers_restarted events count every one.
+    restarts = max(restarts, sum(1 for e in events if e["event"] == "workers_restarted"))
     steps = max((s for _, s in timing), default=0)
     restores: dict[str, int] = {}
     for e in events:

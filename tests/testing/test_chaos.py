@@ -46,6 +46,13 @@ def test_analyze_goodput_stalls_and_lost_steps() -> None:
     assert r.restarts == 1 and r.redone_steps == 1
     assert r.lost_steps == 0  # resumed from step 5, the newest saved before the fault
     assert r.restores == {"memory": 1, "peer": 1}
+    # Resumed from the next step (saved just before the fault): the master's event counts it.
+    seamless = [(100.0 + s, s) for s in range(1, 7)] + [
+        (110.0 + i, s) for i, s in enumerate(range(7, 16))
+    ]
+    restarted = [*_events()[:-1], {"time": 109.0, "event": "workers_restarted"}, _events()[-1]]
+    assert analyze(_events(), seamless, faults).restarts == 0
+    assert analyze(restarted, seamless, faults).restarts == 1
 
 
 def test_analyze_counts_steps_lost_beyond_the_newest_checkpoint() -> None:
