@@ -43,7 +43,10 @@ def promote_after(node_rank: int, slurm_node_id: int | None) -> float:
 
 def master_epoch(job_dir: Path) -> int:
     """The epoch ``master.json`` names (0: none, or a master that predates epochs)."""
-    info = embedded.read_master_info(job_dir)
+    return _epoch_of(embedded.read_master_info(job_dir))
+
+
+def _epoch_of(info: dict[str, object] | None) -> int:
     try:
         return int(str(info.get("epoch", 0))) if info else 0
     except ValueError:
@@ -82,17 +85,14 @@ def where_master(
     address the agent was given (``--master``, the endpoint, 127.0.0.1) stays.  ``epoch`` -1:
     the given address does not answer; any master ``master.json`` names is newer."""
     info = embedded.read_master_info(job_dir)
-    newest = master_epoch(job_dir) if info else 0
+    newest = _epoch_of(info)
     if info is None or newest <= epoch:
         return current, max(epoch, newest)
-    if epoch == 0:
+    named = (str(info["host"]), int(str(info["port"])))
+    if epoch == 0 or named == current:
         return current, newest
-    if (str(info["host"]), int(str(info["port"]))) == current:
-        return current, newest
-    log.warning(
-        "master.json names a new master epoch=%d at %s:%s", newest, info["host"], info["port"]
-    )
-    return (str(info["host"]), int(str(info["port"]))), newest
+    log.warning("master.json names a new master epoch=%d at %s:%d", newest, *named)
+    return named, newest
 
 
 async def watch(

@@ -141,7 +141,7 @@ def status_of(pid: int) -> str:
 @dataclasses.dataclass(slots=True)
 class _Rank:
     rank: int
-    pid: int  # the process torch's API started (a zygote client); the record names the worker
+    pid: int  # torch's API started a zygote client: the record names the worker, once it ran
     path: str
     count: int = -1
     step: int = -1
@@ -151,9 +151,9 @@ class _Rank:
     signature: tuple[st.Frame, ...] = ()
     cpu: tuple[float, float] = (0.0, 0.0)  # CPU seconds used, and when that was read
 
-    def worker_pid(self) -> int:
-        record = progress.read(self.path)
-        return record.pid if record is not None and record.pid > 0 else self.pid
+    def seen(self, record: progress.Progress | None) -> None:
+        if record is not None and record.pid > 0:
+            self.pid = record.pid
 
 
 class Watchdog:
@@ -182,13 +182,14 @@ class Watchdog:
         out = []
         for r in self._ranks.values():
             record = progress.read(r.path)
+            r.seen(record)
             if record is not None and record.count != r.count:
                 r.count, r.step, r.changed_at = record.count, record.step, now
                 r.forward_s = record.forward_s or r.forward_s
                 r.signature = ()  # stacks are compared among samples taken since
             elif now - r.changed_at >= self.sample_s and now - r.sampled_at >= self.sample_s:
                 r.sampled_at = now
-                stack, _ = self.reader.read(r.worker_pid(), r.path)
+                stack, _ = self.reader.read(r.pid, r.path)
                 signature = stack.signature() if stack is not None else ()
                 if signature and r.signature and signature != r.signature:
                     r.changed_at = now  # it moves: busy between steps, not stuck
@@ -210,7 +211,7 @@ class Watchdog:
         """It used more than :data:`BUSY_CPU` of a core since the last sample (a worker that
         waits in a collective or is stopped uses next to nothing)."""
         try:
-            times = psutil.Process(r.worker_pid()).cpu_times()
+            times = psutil.Process(r.pid).cpu_times()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return False
         cpu, (last_cpu, last_at) = times.user + times.system, r.cpu
@@ -221,7 +222,8 @@ class Watchdog:
         """Every worker's stack now."""
         rows = []
         for r in self._ranks.values():
-            pid = r.worker_pid()
+            r.seen(progress.read(r.path))
+            pid = r.pid
             status = status_of(pid)
             stack, error = (
                 (None, "the process is gone") if status == "gone" else self.reader.read(pid, r.path)

@@ -25,6 +25,15 @@ def _record(*, job_id: str, proc: subprocess.Popen, local_rank: int) -> str:
     return progress_template(job_id, node, agent_pid=proc.pid).format(local_rank)
 
 
+def _wait_steps(record: str, steps: int) -> progress.Progress:
+    """The worker's progress record once it trained ``steps`` steps."""
+    return wait_for(
+        lambda: r if (r := progress.read(record)) is not None and r.step >= steps else None,
+        timeout_s=120,
+        what=f"rank 1 to train {steps} steps",
+    )
+
+
 def test_a_stopped_rank_is_detected_dumped_and_the_job_restarts(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -52,14 +61,7 @@ def test_a_stopped_rank_is_detected_dumped_and_the_job_restarts(tmp_path: Path) 
     record = _record(job_id="hangtest", proc=proc, local_rank=1)
     stopped_pid = 0
     try:
-        wait_for(
-            lambda: (r := progress.read(record)) is not None and r.step >= 30,
-            timeout_s=120,
-            what="rank 1 to train 30 steps",
-        )
-        info = progress.read(record)
-        assert info is not None
-        stopped_pid = info.pid
+        stopped_pid = _wait_steps(record, 30).pid
         os.kill(stopped_pid, signal.SIGSTOP)  # the rank hangs; rank 0 waits in all_reduce
         stopped_at = time.time()
         out, _ = proc.communicate(timeout=240)
@@ -129,13 +131,7 @@ def test_a_cpu_throttled_rank_is_reported_as_a_straggler(tmp_path: Path) -> None
     record = _record(job_id="stragglertest", proc=proc, local_rank=1)
     group = CPU_CGROUP / f"dlrover-hpc-test-{os.getpid()}"
     try:
-        wait_for(
-            lambda: (r := progress.read(record)) is not None and r.step >= 20,
-            timeout_s=120,
-            what="rank 1 to train 20 steps",
-        )
-        info = progress.read(record)
-        assert info is not None
+        info = _wait_steps(record, 20)
         group.mkdir()
         (group / "cpu.cfs_period_us").write_text("100000")
         (group / "cpu.cfs_quota_us").write_text("5000")  # 5 % of a core
