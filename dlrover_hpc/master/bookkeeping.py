@@ -27,6 +27,13 @@ class PendingCharge:
         if self._pending is None:
             self._pending = (self._clock() + PEER_GRACE_S, reason)
 
+    @property
+    def pending(self) -> int:
+        """1 while a charge waits out its grace, else 0: the restart count the workers of a
+        round formed meanwhile are told counts it already (torchrun's count goes up with
+        every failure restart; the grace only decides whether the job pays for it)."""
+        return 0 if self._pending is None else 1
+
     def cancel(self) -> None:
         """A node left."""
         if self._pending is not None:

@@ -344,12 +344,13 @@ class Job:
         ranked = rank_nodes([rank_input(n) for n in chosen], self._topology)
         self._store_port = self._stores.new_store(self.round)
         self.commits.new_generation()
+        restarts = self.restart_count + self._charge.pending
         assignments = round_assignments(
             [self.nodes[r.agent_id] for r in ranked],
             round=self.round,
             store_host=self._store_host,
             store_port=self._store_port,
-            restart_count=self.restart_count,
+            restart_count=restarts,
             max_restarts=self.config.max_restarts,
             run_id=self.config.job_id,
         )
@@ -377,12 +378,10 @@ class Job:
             round=self.round,
             nodes=names,
             world_size=assignments[0].world_size,
-            restart_count=self.restart_count,
+            restart_count=restarts,
         )
         if self.round > 1 and not first_round:
-            self.emit(
-                EventName.WORKERS_RESTARTED, round=self.round, restart_count=self.restart_count
-            )
+            self.emit(EventName.WORKERS_RESTARTED, round=self.round, restart_count=restarts)
 
     async def run(self) -> None:
         """Re-evaluate on every change and on timers until the job finishes."""

@@ -315,6 +315,7 @@ def test_node_crash_spends_no_restart_even_with_max_restarts_0(tmp_path: Path) -
         h.settle(20.0)  # long past the grace: nothing is charged
         assert h.job.phase is Phase.RUNNING and h.job.round == 2
         assert h.job.restart_count == 0 and not h.events("job_finished")
+        assert h.waits[a].result().restart_count == 0  # a membership change, no failure
 
     run(body)
 
@@ -328,6 +329,9 @@ def test_a_peer_failure_with_no_node_lost_is_charged_after_the_grace(tmp_path: P
         h.rejoin([a, b])
         h.settle(1.5)
         assert h.job.phase is Phase.RUNNING and h.job.restart_count == 0  # restarted at once
+        # The workers are told it is a restart, as torchrun tells them after a failure.
+        assert h.waits[a].result().restart_count == 1
+        assert h.events("workers_restarted")[-1]["restart_count"] == 1
         h.settle(9.0)  # the grace has run out and no node left
         assert h.job.restart_count == 1 and h.job.phase is Phase.RUNNING
         assert Journal(tmp_path / "journal.jsonl").load()["restart_count"] == 1
