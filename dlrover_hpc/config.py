@@ -166,10 +166,15 @@ class MasterConfig:
     embedded: bool = False  # runs inside an agent (no master step): said in master.json
     #: ``--hang-timeout`` (0: take the agents'); :data:`DEFAULT_HANG_TIMEOUT_S` when none says
     hang_timeout_s: float = 0.0
+    metrics_port: int = 0  # Prometheus metrics on http://HOST:PORT/metrics; 0: off
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port={self.port}: expected 0 (pick a free port) to 65535")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(
+                f"--metrics-port={self.metrics_port}: expected 1 to 65535 (0: no metrics)"
+            )
         if self.node_unit < 1:
             raise ConfigError(f"--node-unit={self.node_unit}: must be at least 1")
         if self.node_unit > self.nnodes.max:

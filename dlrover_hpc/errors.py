@@ -35,3 +35,7 @@ class AuthError(ProtocolError):
 
 class CheckpointError(DlroverHpcError):
     """A checkpoint could not be saved, persisted or loaded."""
+
+
+class ReportError(DlroverHpcError):
+    """``dlrover-hpc report`` could not read a job's events or write its output (the plot)."""

@@ -17,8 +17,10 @@ class EventName(StrEnum):
     WORKER_FAILED = "worker_failed"
     WORKERS_RESTARTED = "workers_restarted"
     JOB_FINISHED = "job_finished"
+    TRAINING_PROGRESS = "training_progress"  # the job's step (round, step, at), every few s
     MASTER_RECOVERED = "master_recovered"  # a restarted master adopted the running round
     # Nodes (master).
+    NODE_JOINED = "node_joined"  # an agent registered (a new node, or a restarted agent)
     NODE_LOST = "node_lost"
     NODE_ADMITTED = "node_admitted"
     NODE_RELAUNCHED = "node_relaunched"

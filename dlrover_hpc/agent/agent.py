@@ -25,7 +25,7 @@ from dlrover_hpc.agent.zygote import Zygote
 from dlrover_hpc.checkpoint.saver.host import SaverHost
 from dlrover_hpc.config import RunConfig
 from dlrover_hpc.diagnosis.classify import Diagnosis
-from dlrover_hpc.master.server import MasterThread
+from dlrover_hpc.master.thread import MasterThread
 from dlrover_hpc.progress import PATH_ENV
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
@@ -252,9 +252,12 @@ class Agent:
         )
         if outcome is Outcome.SUCCEEDED:
             self.workers.stop()
+            final = await asyncio.to_thread(self.watchdog.poll)  # each rank's last step
             self.watchdog.stop_round()
             await self.link.request(
-                m.WorkersSucceeded(agent_id=self.agent_id, round=a.round), m.Ack, timeout_s=30
+                m.WorkersSucceeded(agent_id=self.agent_id, round=a.round, progress=final),
+                m.Ack,
+                timeout_s=30,
             )
             return outcome
         if outcome is Outcome.ROUND_CHANGED:

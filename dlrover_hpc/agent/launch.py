@@ -14,7 +14,7 @@ from dlrover_hpc.agent.agent import Agent
 from dlrover_hpc.config import MasterConfig, NodeRange, RunConfig, parse_host_port
 from dlrover_hpc.errors import ConfigError
 from dlrover_hpc.jobdir import default_job_dir, make_job_dir
-from dlrover_hpc.master.server import MasterThread
+from dlrover_hpc.master.thread import MasterThread
 from dlrover_hpc.master.token import resolve_token
 
 log = logging.getLogger(__name__)

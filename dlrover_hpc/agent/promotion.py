@@ -24,7 +24,7 @@ from pathlib import Path
 from dlrover_hpc.agent import embedded
 from dlrover_hpc.agent.master_link import MasterLink
 from dlrover_hpc.master import failover
-from dlrover_hpc.master.server import MasterThread
+from dlrover_hpc.master.thread import MasterThread
 
 log = logging.getLogger(__name__)
 

@@ -145,6 +145,7 @@ class _Rank:
     path: str
     count: int = -1
     step: int = -1
+    step_at: float = 0.0  # wall clock of that step (the record's time)
     forward_s: float = 0.0
     changed_at: float = 0.0
     sampled_at: float = 0.0
@@ -185,6 +186,7 @@ class Watchdog:
             r.seen(record)
             if record is not None and record.count != r.count:
                 r.count, r.step, r.changed_at = record.count, record.step, now
+                r.step_at = record.time
                 r.forward_s = record.forward_s or r.forward_s
                 r.signature = ()  # stacks are compared among samples taken since
             elif now - r.changed_at >= self.sample_s and now - r.sampled_at >= self.sample_s:
@@ -202,6 +204,7 @@ class Watchdog:
                     step=r.step,
                     stalled_s=round(now - r.changed_at, 3),
                     forward_s=r.forward_s,
+                    at=r.step_at,
                 )
             )
         return out

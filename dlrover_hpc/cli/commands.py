@@ -119,6 +119,13 @@ def register_master(sub: argparse._SubParsersAction) -> None:
         "workers restart (default 0: the agents' --hang-timeout)",
     )
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=env_default("metrics_port", "0") or "0",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off; also "
+        "$DLROVER_HPC_METRICS_PORT)",
+    )
+    p.add_argument(
         "--requeue",
         action=argparse.BooleanOptionalAction,
         default=(env_default("requeue", "1") or "1") not in ("0", "false", "no"),
@@ -153,10 +160,11 @@ def master_config(args: argparse.Namespace) -> MasterConfig:
         min_nodes_timeout_s=args.min_nodes_timeout,
         requeue=args.requeue,
         hang_timeout_s=args.hang_timeout,
+        metrics_port=args.metrics_port,
     )
 
 
-def check_listen(host: str, port: int) -> None:
+def check_listen(host: str, port: int, flag: str = "--port") -> None:
     """Fail on a bad --host/--port now, with the flag's name, not later inside the server."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
@@ -173,13 +181,14 @@ def check_listen(host: str, port: int) -> None:
             sock.bind(address)
         except OSError as exc:
             fix = {
-                errno.EADDRINUSE: "pick another --port, or --port=0 for a free one",
-                errno.EACCES: "ports below 1024 need root: pick another --port, or --port=0",
+                errno.EADDRINUSE: f"pick another {flag}"
+                + (", or --port=0" if flag == "--port" else ""),
+                errno.EACCES: f"ports below 1024 need root: pick another {flag}",
                 errno.EADDRNOTAVAIL: f"{host} is not an address of this node: use one of its "
                 "addresses or 0.0.0.0",
             }.get(exc.errno or 0, "check --host and --port")
             raise ConfigError(
-                f"--host={host} --port={port}: cannot listen there ({exc.strerror}); {fix}"
+                f"--host={host} {flag}={port}: cannot listen there ({exc.strerror}); {fix}"
             ) from None
 
 
@@ -188,6 +197,8 @@ def _master(args: argparse.Namespace) -> int:
     if config.topology:  # a bad file fails here (exit 2, FILE:LINE), before the job dir is made
         topology.load(config.topology)
     check_listen(config.host, config.port)
+    if config.metrics_port:
+        check_listen(config.host, config.metrics_port, flag="--metrics-port")
     from dlrover_hpc.master.server import run_master
 
     return run_master(config)
@@ -247,13 +258,68 @@ def register_status(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--master", default=env_default("master", None), help="HOST:PORT")
     p.add_argument("--job-dir", default=env_default("job_dir", None), help="job directory")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh the table every SECONDS (default 2) until the job ends",
+    )
     p.set_defaults(func=_status)
 
 
 def _status(args: argparse.Namespace) -> int:
     from dlrover_hpc.master.status import print_status
 
+    if args.watch is not None:
+        if args.json:
+            raise UsageError("--watch draws a live table; drop --json (or --watch)")
+        if args.watch <= 0:
+            raise UsageError(f"--watch={args.watch:g}: expected seconds between refreshes, > 0")
+        from dlrover_hpc.master.watch import watch_status
+
+        return watch_status(master=args.master, job_dir=args.job_dir, interval_s=args.watch)
     return print_status(master=args.master, job_dir=args.job_dir, as_json=args.json)
+
+
+def register_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="goodput of a finished or running job, and where the rest of its time went",
+        description="Read the job's events.jsonl (nothing else) and print its goodput (useful "
+        "steps x the median undisturbed step time / wall time from job_started to "
+        "job_finished), the time lost per cause, restarts, checkpoint figures and a table "
+        "per node.",
+    )
+    p.add_argument("--job-dir", default=env_default("job_dir", None), help="job directory")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw the timeline to FILE.png")
+    p.set_defaults(func=_report)
+
+
+def _report(args: argparse.Namespace) -> int:
+    import json
+
+    from dlrover_hpc.master.status import find_job_dir
+    from dlrover_hpc.report.analysis import analyze, read_events
+
+    job_dir = find_job_dir(args.job_dir)
+    report = analyze(read_events(job_dir / "events.jsonl"))
+    if args.plot:
+        from dlrover_hpc.report.plot import plot
+
+        plot(report, args.plot)
+    if args.json:
+        print(json.dumps(report.as_dict()))
+    else:
+        from dlrover_hpc.report.table import print_report
+
+        print_report(report)
+        if args.plot:
+            print(f"timeline: {args.plot}")
+    return 0
 
 
 def register_stacks(sub: argparse._SubParsersAction) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from dlrover_hpc.testing.local_slurm import LocalSlurm, LocalSlurmConfig
@@ -34,7 +35,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    took = LocalSlurm(LocalSlurmConfig(nodes=args.nodes, topology=args.topology)).up()
+    from rich.console import Console
+
+    cluster = LocalSlurm(LocalSlurmConfig(nodes=args.nodes, topology=args.topology))
+    console = Console(stderr=True)
+    if console.is_terminal:
+        with console.status("local Slurm: starting") as status:
+            took = cluster.up(say=lambda what: status.update(f"local Slurm: {what}"))
+    else:  # a log: one line per stage
+        took = cluster.up(say=lambda what: print(f"local Slurm: {what}", file=sys.stderr))
     print(f"local Slurm up: {args.nodes} nodes in {took:.1f} s; try: srun -N{args.nodes} hostname")
     return 0
 

@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.register_launch(sub)
     commands.register_status(sub)
     commands.register_stacks(sub)
+    commands.register_report(sub)
     local_slurm.register(sub)
     return parser
 

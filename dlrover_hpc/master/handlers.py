@@ -8,6 +8,7 @@ node record the message is about and hands the decision to :mod:`dlrover_hpc.mas
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 
@@ -16,17 +17,23 @@ from dlrover_hpc.master import decisions as d
 from dlrover_hpc.master.hangs import HangWatch
 from dlrover_hpc.master.job import Job
 from dlrover_hpc.master.nodes import NodeRecord, NodeState, node_rows
-from dlrover_hpc.master.phases import Phase
+from dlrover_hpc.master.phases import FORMING, Phase
+from dlrover_hpc.master.steps import StepLog
 from dlrover_hpc.protocol import messages as m
 
 log = logging.getLogger(__name__)
+WAITING_SAY_S = 10.0
 
 
 class AgentHandlers:
     def __init__(self, job: Job, hangs: HangWatch | None = None) -> None:
         self.job = job
         self.hangs = hangs
+        self.steps = StepLog(job.emit)
         self._ids = itertools.count(1)
+        self._world = (-1, 0)  # (round, its world size)
+        self._waiting_since: float | None = None
+        self._said_at = 0.0
 
     def _record_of(self, agent_id: str) -> NodeRecord:
         rec = self.job.nodes.get(agent_id)
@@ -36,14 +43,22 @@ class AgentHandlers:
 
     # ------------------------------------------------------------ messages
     def status(self, _msg: m.StatusRequest | None = None) -> m.StatusReply:
-        job = self.job
+        job, steps = self.job, self.steps
+        rows = [
+            dataclasses.replace(row, step=steps.node_steps.get(row.node, -1))
+            if row.round == steps.round and row.state in (NodeState.ACTIVE, NodeState.DONE)
+            else row
+            for row in node_rows(job.nodes.values())
+        ]
         return m.StatusReply(
             job_id=job.config.job_id,
             state=job.phase.value,
             round=job.round,
             restart_count=job.restart_count,
             max_restarts=job.config.max_restarts,
-            nodes=node_rows(job.nodes.values()),
+            nodes=rows,
+            step=steps.samples[-1][1] if steps.samples else -1,
+            step_rate=round(steps.step_rate(), 3),
         )
 
     def join(self, msg: m.Join) -> m.JoinReply:
@@ -77,6 +92,7 @@ class AgentHandlers:
         if self.hangs is not None:
             self.hangs.joined(msg)
         log.info("agent joined agent=%s node=%s excluded=%s", agent_id, msg.node, excluded)
+        self.job.emit(EventName.NODE_JOINED, node=msg.node, agent=agent_id, excluded=excluded)
         if self.job.phase is Phase.RUNNING and not excluded:
             log.info("spare waiting agent=%s", agent_id)
         self.job.poke()
@@ -178,9 +194,24 @@ class AgentHandlers:
         rec = self._record_of(msg.agent_id)
         rec.last_seen = self.job.clock()
         rec.disconnected_at, rec.link_timed_out = None, False
-        if self.hangs is not None and msg.round == self.job.round and rec.state is NodeState.ACTIVE:
-            self.hangs.heartbeat(rec.node, msg.progress)
+        if msg.round == self.job.round and rec.state is NodeState.ACTIVE:
+            if self.hangs is not None:
+                self.hangs.heartbeat(rec.node, msg.progress)
+            self._progress(rec, msg.progress)
         return m.HeartbeatReply(round=self.job.round, finished=self.job.ended)
+
+    def _progress(
+        self, rec: NodeRecord, progress: list[m.RankProgress], final: bool = False
+    ) -> None:
+        if self._world[0] != self.job.round:
+            self._world = (self.job.round, sum(n.nproc for n in self.job.participants()))
+        self.steps.report(
+            node=rec.node,
+            round=rec.round,
+            world_size=self._world[1],
+            progress=progress,
+            final=final,
+        )
 
     def workers_started(self, msg: m.WorkersStarted) -> m.Ack:
         rec = self._record_of(msg.agent_id)
@@ -236,6 +267,7 @@ class AgentHandlers:
     def workers_succeeded(self, msg: m.WorkersSucceeded) -> m.Ack:
         rec = self._record_of(msg.agent_id)
         if msg.round == self.job.round and rec.state in (NodeState.ACTIVE, NodeState.DONE):
+            self._progress(rec, msg.progress, final=True)
             rec.state = NodeState.DONE
             log.info("workers succeeded node=%s rank=%d", rec.node, rec.rank)
             self.job.apply(d.workers_succeeded(self.job.phase, self.job.participants()))
@@ -286,6 +318,31 @@ class AgentHandlers:
             judging=self.job.relaunching_possible and self.job.relaunches.judging(now),
         )
         self.job.apply(actions)
+
+    def say_waiting(self) -> None:
+        """A line every :data:`WAITING_SAY_S` while a round waits for nodes: the job's output
+        shows what it waits for instead of going quiet."""
+        job, now = self.job, self.job.clock()
+        if job.phase not in FORMING:
+            self._waiting_since = None
+            return
+        if self._waiting_since is None:
+            self._waiting_since = self._said_at = now
+            return
+        if now - self._said_at < WAITING_SAY_S:
+            return
+        self._said_at = now
+        reachable = sum(1 for n in job.nodes.values() if d.reachable(n))
+        nnodes = job.config.nnodes
+        log.info(
+            "waiting for nodes: %d reachable of %d-%d wanted, %.0f s in phase %s (round %d next)",
+            reachable,
+            nnodes.min,
+            nnodes.max,
+            now - self._waiting_since,
+            job.phase.value,
+            job.round + 1,
+        )
 
     def replacement_failed(self, count: int, reason: str) -> None:
         """Slurm refused a replacement request for ``count`` nodes (on the loop's thread)."""

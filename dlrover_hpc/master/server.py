@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
 import os
 import signal
 import socket
-import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 from dlrover_hpc.config import MasterConfig
 from dlrover_hpc.errors import ProtocolError
 from dlrover_hpc.jobdir import make_job_dir
-from dlrover_hpc.master import failover
+from dlrover_hpc.master import failover, metrics
 from dlrover_hpc.master.decisions import Relaunch
 from dlrover_hpc.master.handlers import AgentHandlers
 from dlrover_hpc.master.hangs import HangWatch
@@ -63,6 +64,8 @@ class MasterServer:
         self.epoch = failover.take_over(job_dir) if epoch is None else epoch
         self.superseded = False  # a newer master claimed the job: this one stepped down
         self.events = EventLog(job_dir / "events.jsonl")
+        self.observer = metrics.Observer(self.events)  # goodput so far, from the whole log
+        self._stop_metrics: Callable[[], None] | None = None
         topology = None
         if config.topology:
             from dlrover_hpc import topology as topo
@@ -101,7 +104,7 @@ class MasterServer:
             m.WorkerFailed: self.agents.worker_failed,
             m.WorkersSucceeded: self.agents.workers_succeeded,
             m.CheckpointPart: self.agents.checkpoint_part,
-            m.StatusRequest: self.agents.status,
+            m.StatusRequest: self._status,
             m.Event: self._event,
             m.NetcheckReport: self.agents.netcheck_report,
             m.StacksDumped: self.hangs.stacks_dumped,
@@ -142,6 +145,20 @@ class MasterServer:
         """Drain or quarantine in a thread: scontrol must not stall the event loop."""
         asyncio.get_running_loop().run_in_executor(None, self._remover.remove, node, reason)
 
+    def _status(self, msg: m.StatusRequest) -> m.StatusReply:
+        reply = self.agents.status(msg)
+        report = self.observer.report()
+        if report is None:
+            return reply
+        step = report.last_checkpoint_step
+        committed = self.observer.analysis.committed.get(step, 0.0) if step is not None else 0.0
+        return dataclasses.replace(
+            reply,
+            goodput=report.goodput,
+            checkpoint_step=-1 if step is None else step,
+            checkpoint_age_s=round(time.time() - committed, 1) if committed else -1.0,
+        )
+
     def _event(self, msg: m.Event) -> m.Ack:
         self.events.emit(msg.event, **msg.fields)
         return m.Ack()
@@ -151,6 +168,14 @@ class MasterServer:
             self._connection, self.config.host, self.config.port, limit=wire.MAX_FRAME, backlog=4096
         )
         self.port = self._server.sockets[0].getsockname()[1]
+        if self.config.metrics_port:
+            collector = metrics.JobCollector(self.job, self.observer, self.agents.steps)
+            try:
+                self._stop_metrics = metrics.serve(
+                    collector, host=self.config.host, port=self.config.metrics_port
+                )
+            except OSError as exc:  # a promoted master's node may have the port taken
+                log.error("no metrics: port %d (%s)", self.config.metrics_port, exc)
         info = {
             "host": self.advertised_host,
             "port": self.port,
@@ -158,6 +183,7 @@ class MasterServer:
             "job_id": self.config.job_id,
             "embedded": self.config.embedded,
             "epoch": self.epoch,
+            "metrics_port": self.config.metrics_port if self._stop_metrics else None,
         }
         failover.write_lease(self.job_dir, self.epoch)
         failover.save_config(self.job_dir, self.config)
@@ -279,6 +305,7 @@ class MasterServer:
             await asyncio.sleep(0.5)
             self.agents.check_liveness()  # O(nodes): on this timer only, not on every change
             self.agents.check_capacity()
+            self.agents.say_waiting()
             self.hangs.check()
             self.job.poke()
 
@@ -324,6 +351,9 @@ class MasterServer:
         return self.job.exit_code or 0
 
     async def close(self) -> None:
+        if self._stop_metrics is not None:
+            await asyncio.to_thread(self._stop_metrics)
+            self._stop_metrics = None
         if self._server is not None:
             self._server.close()
             for writer in list(self._writers.values()):
@@ -351,46 +381,3 @@ def run_master(config: MasterConfig) -> int:
         return await server.serve()
 
     return asyncio.run(main())
-
-
-class MasterThread:
-    """An in-process master (``dlrover-run --standalone``) on its own event loop thread."""
-
-    def __init__(
-        self, config: MasterConfig, *, token: str, job_dir: Path, epoch: int | None = None
-    ) -> None:
-        self._loop = asyncio.new_event_loop()
-        self.server = MasterServer(config, token=token, job_dir=job_dir, epoch=epoch)
-        self._ready = threading.Event()
-        self.exit_code: int | None = None
-        self._thread = threading.Thread(target=self._main, name="dlrover-hpc-master", daemon=True)
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self._loop)
-
-        async def body() -> int:
-            await self.server.start()
-            self._ready.set()
-            return await self.server.serve(linger_s=2.0)
-
-        try:
-            self.exit_code = self._loop.run_until_complete(body())
-        except Exception:  # thread boundary
-            log.exception("in-process master failed")
-            self.exit_code = 1
-        finally:
-            self._ready.set()
-            self._loop.close()
-
-    def start(self) -> int:
-        self._thread.start()
-        self._ready.wait(30)
-        return self.server.port
-
-    def stop(self, reason: str) -> None:
-        """End the job from another thread (the hosting agent was stopped by a signal)."""
-        if not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self.server.job.request_stop, reason)
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)

@@ -130,7 +130,7 @@ def _stale(info: MasterInfo, why: str) -> DlroverHpcError:
     )
 
 
-def _unreachable(info: MasterInfo, exc: BaseException) -> DlroverHpcError:
+def unreachable(info: MasterInfo, exc: BaseException) -> DlroverHpcError:
     """An error from connecting to (or asking) the master, in words."""
     where = f"{info.host}:{info.port}"
     if isinstance(exc, ConnectionRefusedError):
@@ -182,7 +182,7 @@ def format_status(status: m.StatusReply) -> str:
     return "\n".join(lines)
 
 
-def _find(master: str | None, job_dir: str | None) -> tuple[MasterInfo, str]:
+def find_master(master: str | None, job_dir: str | None) -> tuple[MasterInfo, str]:
     """The job master's address and the job token."""
     if master:
         host, port = parse_host_port(master, flag="--master")
@@ -204,11 +204,11 @@ def _find(master: str | None, job_dir: str | None) -> tuple[MasterInfo, str]:
 
 
 def print_status(*, master: str | None, job_dir: str | None, as_json: bool) -> int:
-    info, token = _find(master, job_dir)
+    info, token = find_master(master, job_dir)
     try:
         status = asyncio.run(fetch_status(info.host, info.port, token))
     except (OSError, TimeoutError) as exc:
-        raise _unreachable(info, exc) from None
+        raise unreachable(info, exc) from None
     if as_json:
         print(json.dumps(dataclasses.asdict(status), indent=1))
     else:
@@ -226,11 +226,11 @@ async def fetch_stacks(host: str, port: int, token: str) -> m.StacksReply:
 
 def print_stacks(*, master: str | None, job_dir: str | None) -> int:
     """``dlrover-hpc stacks``: every rank's stack now, grouped; kept in the job directory."""
-    info, token = _find(master, job_dir)
+    info, token = find_master(master, job_dir)
     try:
         reply = asyncio.run(fetch_stacks(info.host, info.port, token))
     except (OSError, TimeoutError) as exc:
-        raise _unreachable(info, exc) from None
+        raise unreachable(info, exc) from None
     print(reply.text, end="")
     print(f"(each rank's stack: {reply.directory})")
     return 0

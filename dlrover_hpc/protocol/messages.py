@@ -122,6 +122,7 @@ class RankProgress:
     step: int
     stalled_s: float  # since its step or its stack last changed
     forward_s: float = 0.0  # its newest step's time in the model's forward (0: unknown)
+    at: float = 0.0  # wall clock of that step (0: unknown); the goodput report's step times
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,6 +166,7 @@ class WorkersSucceeded(Message):
     TYPE: ClassVar[str] = "workers_succeeded"
     agent_id: str
     round: int
+    progress: list[RankProgress] = dataclasses.field(default_factory=list)  # the final steps
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -187,6 +189,7 @@ class NodeRow:
     state: NodeState
     round: int
     nproc: int
+    step: int = -1  # its slowest rank's newest step in the running round (-1: none yet)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -198,6 +201,11 @@ class StatusReply(Message):
     restart_count: int
     max_restarts: int
     nodes: list[NodeRow]
+    step: int = -1  # the job's (its slowest rank's); -1: no step reported yet
+    step_rate: float = 0.0  # steps per second lately
+    goodput: float = -1.0  # so far, as `dlrover-hpc report` computes it (-1: unknown)
+    checkpoint_step: int = -1  # the newest committed checkpoint (-1: none)
+    checkpoint_age_s: float = -1.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

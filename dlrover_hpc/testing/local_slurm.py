@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dlrover_hpc.errors import LocalSlurmError
@@ -72,8 +73,10 @@ class LocalSlurm:
         return bool(state) and alive(state.get("slurmctld_pid", -1))  # type: ignore[union-attr]
 
     # -------------------------------------------------------------------- up
-    def up(self) -> float:
-        """Start everything; returns the seconds it took.  Idempotent."""
+    def up(self, say: Callable[[str], None] | None = None) -> float:
+        """Start everything; returns the seconds it took.  Idempotent.  ``say`` hears each
+        stage as it starts (the command line shows it: installing Slurm takes a while)."""
+        say = say or (lambda _: None)
         t0 = time.monotonic()
         if os.geteuid() != 0:
             raise LocalSlurmError(
@@ -93,19 +96,24 @@ class LocalSlurm:
             )
         if state:  # left over from a crash: clean it first
             self.down()
+        say("installing Slurm and munge if missing (apt-get)")
         install_packages()
         state = {"nodes": self.config.node_names(), "slurmd_pids": {}, "created_conf": False}
         self._save_state(state)
         try:
             self._write_config(state)
+            say(f"network namespaces for {self.config.nodes} nodes")
             slurm_net.setup_network(self.config)
+            say("munged, slurmctld")
             state["munged_pid"] = self._start_munged()
             self._save_state(state)
             state["slurmctld_pid"] = self._start_slurmctld()
             self._save_state(state)
-            for node in self.config.node_names():
+            for i, node in enumerate(self.config.node_names(), 1):
+                say(f"slurmd {i}/{self.config.nodes} ({node})")
                 state["slurmd_pids"][node] = self._start_slurmd(node)
                 self._save_state(state)
+            say("waiting for the nodes to be idle")
             self._wait_idle()
         except BaseException:
             log.error("local-slurm up failed; cleaning up what was started")

@@ -15,7 +15,7 @@ import pytest
 
 from dlrover_hpc.agent.master_link import MasterLink
 from dlrover_hpc.config import MasterConfig, NodeRange
-from dlrover_hpc.master.server import MasterThread
+from dlrover_hpc.master.thread import MasterThread
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
 

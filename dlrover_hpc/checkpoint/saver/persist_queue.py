@@ -24,6 +24,7 @@ from dlrover_hpc.errors import CheckpointError
 from dlrover_hpc.events import EventName
 
 logger = logging.getLogger(__name__)
+SAY_EVERY_S = 5.0  # a persist that outlasts this on close says what is left, this often
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -75,7 +76,7 @@ class SaverCore:
 
     def close(self, *, timeout_s: float = 600.0) -> bool:
         """Finishes queued persists (up to `timeout_s`), then stops; True if all finished."""
-        idle = self.wait_idle(timeout_s)
+        idle = self._drain(timeout_s)
         with self._cond:
             self._stopping = True
             for req in self._queue:
@@ -294,6 +295,27 @@ class SaverCore:
             )
 
     # ------------------------------------------------------------------------ waiting
+    def _drain(self, timeout_s: float) -> bool:
+        """:meth:`wait_idle`, saying every few seconds what is left: a large checkpoint
+        persisting on exit is a wait the user sits through."""
+        if self._thread is None:
+            return self.wait_idle(timeout_s)  # nothing runs: no wait to speak of
+        t0 = time.monotonic()
+        while not self.wait_idle(min(SAY_EVERY_S, max(0.0, t0 + timeout_s - time.monotonic()))):
+            if time.monotonic() - t0 >= timeout_s:
+                return False
+            with self._cond:
+                queued, busy = [r.header.step for r in self._queue], self._busy
+            logger.info(
+                "checkpoint persisting before exit: %d part(s) queued%s%s, %.0f s of %.0f s",
+                len(queued),
+                f" (steps {','.join(map(str, sorted(set(queued))))})" if queued else "",
+                ", one being written" if busy else "",
+                time.monotonic() - t0,
+                timeout_s,
+            )
+        return True
+
     def wait_idle(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         with self._cond:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dlrover_hpc import progress
 from dlrover_hpc.checkpoint.api import EventSink, PartKind
 from dlrover_hpc.checkpoint.env import WorkerEnv
 from dlrover_hpc.checkpoint.saver.commit_records import CommitRecord
@@ -190,6 +191,7 @@ class CheckpointerBase:
             "checkpoint restored step=%d source=%s seconds=%.3f", step, source.value, seconds
         )
         self.last_restored = (step, source.value)
+        progress.step(step)  # the optimizer steps count on from here (the goodput report)
         self._engine.prefault_in_background(device)
         self._engine.emit(
             EventName.CHECKPOINT_RESTORED,

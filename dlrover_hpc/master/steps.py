@@ -1,0 +1,77 @@
+"""The job's training step, from the progress the agents report with every heartbeat.
+
+The master writes it to the event log as ``training_progress`` (round, step, ``at``: the wall
+time the step finished), so the goodput report and the metrics need nothing but the log.  The
+job's step is its slowest rank's (data-parallel ranks move together; a pipeline's last stage
+is the one that finishes a step).  A round's first report is always written (the step its
+workers started from), then at most one every :data:`EVERY_S` seconds of training, and the
+last one when the workers succeed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dlrover_hpc.events import EventName
+from dlrover_hpc.protocol import messages as m
+
+#: seconds of training between two training_progress events of one round
+EVERY_S = 5.0
+
+
+class StepLog:
+    def __init__(self, emit: Callable[..., None], *, every_s: float = EVERY_S) -> None:
+        self._emit = emit
+        self.every_s = every_s
+        self.round = -1
+        self._ranks: dict[int, tuple[int, float]] = {}  # rank -> (step, at)
+        self.node_steps: dict[str, int] = {}  # node -> its slowest rank's step (status)
+        self._written: tuple[int, float] | None = None  # the round's newest event: (step, at)
+        self.samples: list[tuple[float, int]] = []  # (at, step) written, newest last (metrics)
+
+    def report(
+        self,
+        *,
+        node: str,
+        round: int,
+        world_size: int,
+        progress: Sequence[m.RankProgress],
+        final: bool = False,
+    ) -> None:
+        """One agent's ranks; ``final``: its workers succeeded, nothing newer will come."""
+        if round != self.round:
+            if round < self.round:
+                return  # a late report of a round that is over
+            self.round, self._ranks, self._written = round, {}, None
+            self.node_steps = {}
+        known = [p for p in progress if p.at > 0]
+        for p in known:
+            self._ranks[p.rank] = (p.step, p.at)
+        if known:
+            self.node_steps[node] = min(p.step for p in known)
+        if len(self._ranks) < world_size:
+            return  # the round's step is its slowest rank's: wait until every rank reported
+        step, at = min(self._ranks.values())
+        written = self._written
+        if written is not None and (step <= written[0] or at <= written[1]):
+            return
+        if written is None or final or at - written[1] >= self.every_s:
+            self._write(step, at)
+
+    def _write(self, step: int, at: float) -> None:
+        self._written = (step, at)
+        self.samples.append((at, step))
+        del self.samples[:-2]
+        self._emit(EventName.TRAINING_PROGRESS, round=self.round, step=step, at=round(at, 3))
+
+    def step_rate(self) -> float:
+        """Steps per second between the two newest events (0 when unknown)."""
+        if len(self.samples) < 2:
+            return 0.0
+        (t0, s0), (t1, s1) = self.samples
+        return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 >= s0 else 0.0
+
+    def status(self) -> dict[str, Any]:
+        newest = self.samples[-1] if self.samples else None
+        return {"step": newest[1] if newest else None, "step_rate": self.step_rate()}

@@ -1,0 +1,57 @@
+"""An in-process master (``dlrover-run --standalone``, or an agent promoted to host the
+job's master) on its own event-loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from pathlib import Path
+
+from dlrover_hpc.config import MasterConfig
+from dlrover_hpc.master.server import MasterServer
+
+log = logging.getLogger(__name__)
+
+
+class MasterThread:
+    """An in-process master (``dlrover-run --standalone``) on its own event loop thread."""
+
+    def __init__(
+        self, config: MasterConfig, *, token: str, job_dir: Path, epoch: int | None = None
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        self.server = MasterServer(config, token=token, job_dir=job_dir, epoch=epoch)
+        self._ready = threading.Event()
+        self.exit_code: int | None = None
+        self._thread = threading.Thread(target=self._main, name="dlrover-hpc-master", daemon=True)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def body() -> int:
+            await self.server.start()
+            self._ready.set()
+            return await self.server.serve(linger_s=2.0)
+
+        try:
+            self.exit_code = self._loop.run_until_complete(body())
+        except Exception:  # thread boundary
+            log.exception("in-process master failed")
+            self.exit_code = 1
+        finally:
+            self._ready.set()
+            self._loop.close()
+
+    def start(self) -> int:
+        self._thread.start()
+        self._ready.wait(30)
+        return self.server.port
+
+    def stop(self, reason: str) -> None:
+        """End the job from another thread (the hosting agent was stopped by a signal)."""
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.server.job.request_stop, reason)
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)

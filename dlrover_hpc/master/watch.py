@@ -1,0 +1,110 @@
+"""``dlrover-hpc status --watch``: the status table, refreshed until the job ends.
+
+It asks the master every ``interval`` seconds, finding it again each time (a restarted or
+promoted master writes a new ``master.json``).  While no master answers it says so and keeps
+asking; it stops when the master reports the job finished or failed, when the job's event log
+says it ended, or on Ctrl-C.  Exit code: 0 when the job finished, 1 when it failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from dlrover_hpc.errors import DlroverHpcError
+from dlrover_hpc.master import status as st
+from dlrover_hpc.master.phases import ENDED, Phase
+from dlrover_hpc.protocol import messages as m
+
+
+def table(s: m.StatusReply, *, at: float) -> Group:
+    goodput = f"{s.goodput:.1%}" if s.goodput >= 0 else "-"
+    ckpt = "-"
+    if s.checkpoint_step >= 0:
+        ckpt = f"step {s.checkpoint_step}, {s.checkpoint_age_s:.0f} s ago"
+    head = Text.assemble(
+        (f"job {s.job_id}", "bold"),
+        f": {s.state}, round {s.round}, restarts {s.restart_count}/{s.max_restarts}, ",
+        f"step {s.step if s.step >= 0 else '-'} ({s.step_rate:.2f}/s), goodput so far ",
+        (goodput, "bold"),
+        f", last checkpoint {ckpt}",
+    )
+    t = Table(caption=time.strftime("updated %H:%M:%S", time.localtime(at)), caption_justify="left")
+    for name in ("node", "rank", "state", "round", "step", "procs", "agent"):
+        t.add_column(
+            name, justify="right" if name in ("rank", "round", "step", "procs") else "left"
+        )
+    for n in s.nodes:
+        style = {"lost": "red", "excluded": "red", "waiting": "yellow"}.get(str(n.state), "")
+        t.add_row(
+            n.node,
+            str(n.rank) if n.rank >= 0 else "-",
+            Text(str(n.state), style=style),
+            str(n.round),
+            str(n.step) if n.step >= 0 else "-",
+            str(n.nproc),
+            n.agent_id,
+            style=None,
+        )
+    return Group(head, t)
+
+
+def _ended_in_log(job_dir: Path | None) -> int | None:
+    """The exit code of a ``job_finished`` event in the job's log, if there is one."""
+    if job_dir is None:
+        return None
+    try:
+        lines = (job_dir / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if '"job_finished"' in line:
+            try:
+                return int(json.loads(line).get("exit_code", 0))
+            except ValueError:
+                return None
+    return None
+
+
+def watch_status(
+    *,
+    master: str | None,
+    job_dir: str | None,
+    interval_s: float = 2.0,
+    console: Console | None = None,
+) -> int:
+    console = console or Console()
+    directory = st.find_job_dir(job_dir) if not master else (Path(job_dir) if job_dir else None)
+    last: m.StatusReply | None = None
+    with Live(Text("asking the job master..."), console=console, auto_refresh=False) as live:
+        while True:
+            problem = ""
+            info: st.MasterInfo | None = None
+            try:
+                info, token = st.find_master(master, job_dir)
+                last = asyncio.run(st.fetch_status(info.host, info.port, token))
+            except DlroverHpcError as exc:  # no master.json yet, or a stale one
+                problem = str(exc)
+            except (OSError, TimeoutError) as exc:
+                problem = str(st.unreachable(info, exc) if info is not None else exc)
+            now = time.time()
+            if last is not None and Phase(last.state) in ENDED and not problem:
+                live.update(table(last, at=now), refresh=True)
+                return 0 if last.state == Phase.FINISHED else 1
+            ended = _ended_in_log(directory)
+            if problem and ended is not None:
+                note = Text(f"the job ended (exit code {ended}); its master is gone", "bold")
+                live.update(Group(table(last, at=now), note) if last else note, refresh=True)
+                return 0 if ended == 0 else 1
+            view = table(last, at=now) if last is not None else Text("")
+            if problem:
+                view = Group(view, Text(f"no answer from the master: {problem}", style="yellow"))
+            live.update(view, refresh=True)
+            time.sleep(interval_s)

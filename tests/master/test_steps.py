@@ -1,0 +1,53 @@
+"""The job's step as the master writes it to the log (training_progress)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dlrover_hpc.master.steps import StepLog
+from dlrover_hpc.protocol.messages import RankProgress
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def __call__(self, name: str, **fields: Any) -> None:
+        self.events.append({"event": str(name), **fields})
+
+
+def _p(rank: int, step: int, at: float) -> RankProgress:
+    return RankProgress(rank=rank, step=step, stalled_s=0.0, at=at)
+
+
+def test_the_step_is_the_slowest_ranks_once_every_rank_reported() -> None:
+    sink = Sink()
+    log = StepLog(sink, every_s=5.0)
+    log.report(node="n1", round=1, world_size=4, progress=[_p(0, 3, 100.0), _p(1, 3, 100.1)])
+    assert sink.events == []  # n2's ranks not heard yet
+    log.report(node="n2", round=1, world_size=4, progress=[_p(2, 2, 99.9), _p(3, 3, 100.2)])
+    assert sink.events == [{"event": "training_progress", "round": 1, "step": 2, "at": 99.9}]
+    assert log.node_steps == {"n1": 3, "n2": 2}
+
+
+def test_one_event_per_interval_of_training_and_the_final_one() -> None:
+    sink = Sink()
+    log = StepLog(sink, every_s=5.0)
+    for i in range(30):  # a step every 0.5 s, reported every second
+        log.report(node="n1", round=1, world_size=1, progress=[_p(0, 2 * i, 100.0 + i)])
+    assert [e["step"] for e in sink.events] == [0, 10, 20, 30, 40, 50]
+    log.report(node="n1", round=1, world_size=1, progress=[_p(0, 61, 130.5)], final=True)
+    assert sink.events[-1]["step"] == 61
+    assert log.step_rate() == (61 - 50) / (130.5 - 125.0)
+
+
+def test_a_new_round_starts_over_and_late_reports_are_dropped() -> None:
+    sink = Sink()
+    log = StepLog(sink, every_s=5.0)
+    log.report(node="n1", round=1, world_size=1, progress=[_p(0, 40, 100.0)])
+    log.report(node="n1", round=2, world_size=1, progress=[_p(0, 30, 103.0)])  # restored at 30
+    log.report(node="n1", round=1, world_size=1, progress=[_p(0, 45, 101.0)])  # too late
+    assert [(e["round"], e["step"]) for e in sink.events] == [(1, 40), (2, 30)]
+    # A rank that has not written its record yet (at 0) does not count as reported.
+    log.report(node="n1", round=3, world_size=2, progress=[_p(0, 31, 104.0), _p(1, 0, 0.0)])
+    assert len(sink.events) == 2
