@@ -37,5 +37,5 @@ class CheckpointError(DlroverHpcError):
     """A checkpoint could not be saved, persisted or loaded."""
 
 
-class ReportError(DlroverHpcError):
-    """``dlrover-hpc report`` could not read a job's events or write its output (the plot)."""
+class ReportError(UsageError):
+    """``dlrover-hpc report`` could not read a job's events or write its plot (exit 2)."""

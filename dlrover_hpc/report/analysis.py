@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from dlrover_hpc.errors import UsageError
+from dlrover_hpc.errors import ReportError
 from dlrover_hpc.report import lanes as _lanes
 from dlrover_hpc.report.model import Cause, Marker, NodeSummary, Report, Stats
 
@@ -168,7 +168,7 @@ class Analysis:
         """``now``: the end of a running job's wall when it is not training; ``lanes``: each
         node's spans too (the plot, the node table's last state)."""
         if self.start is None:
-            raise UsageError("the event log has no job_started event: is it a job's events.jsonl?")
+            raise ReportError("the event log has no job_started event: is it a job's events.jsonl?")
         start = self.start
         for r in self.rounds:  # a log without progress reports: the saves are the steps
             r.samples = (
@@ -351,7 +351,7 @@ def read_events(path: str | Path) -> Iterable[dict[str, Any]]:
     try:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
-        raise UsageError(
+        raise ReportError(
             f"{path} does not exist; pass --job-dir with a job's directory "
             "(SUBMIT_DIR/.dlrover-hpc/JOB_ID)"
         ) from None
@@ -365,7 +365,7 @@ def read_events(path: str | Path) -> Iterable[dict[str, Any]]:
         except ValueError as exc:
             if number == len(lines):
                 return  # torn last line
-            raise UsageError(
+            raise ReportError(
                 f"{path}, line {number}: not an event ({exc}); every line must be a JSON object "
                 "with 'time' and 'event' — restore the file or remove the line"
             ) from None

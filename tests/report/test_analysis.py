@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from dlrover_hpc.errors import UsageError
+from dlrover_hpc.errors import ReportError
 from dlrover_hpc.report.analysis import Analysis, analyze, read_events
 from dlrover_hpc.report.model import Cause, LaneState
 
@@ -164,9 +164,9 @@ def test_read_events_names_the_bad_line_and_skips_a_torn_last_one(tmp_path: Path
     path.write_text(f"{good}\n{good[:20]}\n")
     assert len(list(read_events(path))) == 1  # a writer died mid-line
     path.write_text(f"{good}\nnot json\n{good}\n")
-    with pytest.raises(UsageError, match=r"events.jsonl, line 2: not an event"):
+    with pytest.raises(ReportError, match=r"events.jsonl, line 2: not an event"):
         list(read_events(path))
-    with pytest.raises(UsageError, match="does not exist; pass --job-dir"):
+    with pytest.raises(ReportError, match="does not exist; pass --job-dir"):
         list(read_events(tmp_path / "nope.jsonl"))
-    with pytest.raises(UsageError, match="no job_started event"):
+    with pytest.raises(ReportError, match="no job_started event"):
         analyze([ev(0, "node_joined", node="n1")])
