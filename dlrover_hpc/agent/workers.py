@@ -65,6 +65,7 @@ def worker_env(
         "TORCHELASTIC_RESTART_COUNT": str(assignment.restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(assignment.max_restarts),
         "TORCHELASTIC_RUN_ID": config.run_id or assignment.run_id,
+        "DLROVER_HPC_ROUND": str(assignment.round),  # the data-sharding client's incarnation
         # Workers join the master's per-round store as clients (a fresh store each round).
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),

@@ -20,6 +20,7 @@ from dlrover_hpc.config import MasterConfig
 from dlrover_hpc.errors import ProtocolError
 from dlrover_hpc.jobdir import make_job_dir
 from dlrover_hpc.master import failover, metrics
+from dlrover_hpc.master.datasets import Datasets
 from dlrover_hpc.master.decisions import Relaunch
 from dlrover_hpc.master.handlers import AgentHandlers
 from dlrover_hpc.master.hangs import HangWatch
@@ -95,6 +96,7 @@ class MasterServer:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.port = 0
         self.hangs = HangWatch(self.job, self.push, job_dir)
+        self.datasets = Datasets(job_dir)  # dlrover_hpc.data's shards, replayed from the file
         self.agents = AgentHandlers(self.job, self.hangs)
         self._handlers: dict[type[m.Message], Callable[[Any], Any]] = {
             m.Join: self.agents.join,
@@ -109,6 +111,7 @@ class MasterServer:
             m.NetcheckReport: self.agents.netcheck_report,
             m.StacksDumped: self.hangs.stacks_dumped,
             m.StacksRequest: self.hangs.stacks_request,
+            m.ShardRequest: lambda msg: self.datasets.request(msg, current_round=self.job.round),
         }
 
     def _in_thread(self, fn: Callable[..., None]) -> Callable[..., None]:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
-from enum import Enum, StrEnum
+from enum import StrEnum
 from typing import Any, ClassVar, TypeVar
 
 from dlrover_hpc.errors import ProtocolError
 from dlrover_hpc.events import EventName
+from dlrover_hpc.protocol.fields import fields as _fields
+from dlrover_hpc.protocol.fields import hints as _hints
+from dlrover_hpc.protocol.fields import matches as _matches
+from dlrover_hpc.protocol.fields import typed as _typed
 from dlrover_hpc.protocol.wire import Frame
 
 
@@ -291,6 +293,30 @@ class ErrorReply(Message):
     message: str
 
 
+# --------------------------------------------------------------- data sharding (worker -> master)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ShardRequest(Message):
+    """A training process asks for its next shard of ``dataset`` (``dlrover_hpc.data``)."""
+
+    TYPE: ClassVar[str] = "shard_request"
+    dataset: str
+    size: int  # samples per epoch
+    shard_size: int
+    epochs: int
+    round: int  # the worker's round ($DLROVER_HPC_ROUND)
+    rank: int
+    start: int  # batches each rank had drawn at the checkpoint this round restored
+    batch_size: int  # samples per batch of this rank
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ShardReply(Message):
+    TYPE: ClassVar[str] = "shard_reply"
+    epoch: int = -1  # -1: no shard left (every epoch is trained or being trained)
+    start: int = 0  # positions [start, end) of the epoch
+    end: int = 0
+
+
 #: Every message kind defined above, by its TYPE.
 REGISTRY: dict[str, type[Message]] = {
     cls.TYPE: cls
@@ -301,76 +327,8 @@ REGISTRY: dict[str, type[Message]] = {
 M = TypeVar("M", bound=Message)
 
 
-def _plain(value: Any) -> Any:
-    """A field value as JSON: enums by value, nested rows as objects; others as they are."""
-    if isinstance(value, Enum):
-        return value.value
-    if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
-        return [_fields(v) for v in value]
-    return value
-
-
-def _fields(obj: Any) -> dict[str, Any]:
-    # A shallow field copy, not dataclasses.asdict: asdict deep-copies every list.
-    return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-
-
 def to_frame(message: Message, *, frame_id: int | None = None) -> Frame:
     return Frame(type=message.TYPE, id=frame_id, body=_fields(message))
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return True
-    if isinstance(hint, type) and issubclass(hint, Enum):
-        return isinstance(value, hint) or value in {e.value for e in hint}
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return isinstance(value, hint) or (isinstance(value, dict) and _row_matches(value, hint))
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_matches(v, item) for v in value)
-    if origin is dict:
-        return isinstance(value, dict)
-    return isinstance(value, hint)
-
-
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = _HINTS[cls] = {k: v for k, v in typing.get_type_hints(cls).items() if k != "TYPE"}
-    return hints
-
-
-def _row_matches(value: dict[str, Any], cls: type) -> bool:
-    hints = _hints(cls)
-    return set(value) == set(hints) and all(_matches(v, hints[k]) for k, v in value.items())
-
-
-def _typed(value: Any, hint: Any) -> Any:
-    """``value`` (already checked by :func:`_matches`) as ``hint``'s enum or row type."""
-    if isinstance(hint, type) and issubclass(hint, Enum):
-        return hint(value)
-    if typing.get_origin(hint) is list:
-        (item,) = typing.get_args(hint)
-        if isinstance(item, type) and dataclasses.is_dataclass(item):
-            hints = _hints(item)
-            return [
-                v if isinstance(v, item) else item(**{k: _typed(x, hints[k]) for k, x in v.items()})
-                for v in value
-            ]
-    return value
 
 
 def from_frame(frame: Frame) -> Message:
