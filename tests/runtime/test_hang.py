@@ -81,7 +81,9 @@ def test_a_stopped_rank_is_detected_dumped_and_the_job_restarts(tmp_path: Path) 
     assert hang["suspected_rank"] == 1 and hang["why"] == "its process is stopped", hang
     merged = (Path(hang["directory"]) / "merged.txt").read_text()
     assert merged.splitlines()[1] == "suspect: rank 1 (its process is stopped)", merged
-    assert "rank 0 on" in merged and "rank 1 on" in merged
+    # Both ranks' stacks are there: apart, or as one group when rank 1 was stopped in the same
+    # Python frames where rank 0 waits (DDP's all-reduce runs inside Tensor.backward).
+    assert ("rank 0 on" in merged and "rank 1 on" in merged) or "ranks 0-1 on" in merged, merged
     assert (Path(hang["directory"]) / "rank-1.txt").read_text().startswith("rank 1 ")
     assert [e["restart_count"] for e in named(evs, "workers_restarted")] == [1]
     result = json.loads((tmp_path / "result.json").read_text())
