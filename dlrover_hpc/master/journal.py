@@ -7,7 +7,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +31,10 @@ class EventLog:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
-        #: called with each record, in the order written (the master's running goodput)
-        self.listeners: list[Callable[[dict[str, Any]], None]] = []
 
     def emit(self, event: EventName, **fields: Any) -> None:
-        record = {"time": time.time(), "event": event, **fields}
         with self._lock:
-            _append_line(self.path, record)
-            for listener in self.listeners:
-                try:
-                    listener(record)
-                except Exception:  # the log itself must go on
-                    log.exception("event listener failed event=%s", event)
+            _append_line(self.path, {"time": time.time(), "event": event, **fields})
 
 
 class Journal:

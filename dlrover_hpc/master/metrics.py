@@ -1,19 +1,21 @@
 """The master's running account of its job, and its Prometheus endpoint (``--metrics-port``).
 
-:class:`Observer` replays the job's ``events.jsonl`` when the master starts (a restarted
-master goes on counting) and then folds every event the master writes into the same
-:class:`~dlrover_hpc.report.analysis.Analysis` that ``dlrover-hpc report`` uses, so the
-goodput a dashboard shows is the report's.  :class:`JobCollector` turns that and the job's
-live state into metrics at each scrape; nothing is computed between scrapes.
+:class:`Observer` reads the job's ``events.jsonl`` (from its start: a restarted master goes
+on counting) into the same :class:`~dlrover_hpc.report.analysis.Analysis` that
+``dlrover-hpc report`` uses, so the goodput a dashboard shows is the report's.
+:class:`JobCollector` turns that and the job's live state into metrics at each scrape; nothing
+is computed between scrapes.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -25,11 +27,10 @@ from prometheus_client.registry import CollectorRegistry
 
 from dlrover_hpc.errors import UsageError
 from dlrover_hpc.master.job import Job
-from dlrover_hpc.master.journal import EventLog
 from dlrover_hpc.master.nodes import NodeState
 from dlrover_hpc.master.phases import Phase
 from dlrover_hpc.master.steps import StepLog
-from dlrover_hpc.report.analysis import Analysis, read_events
+from dlrover_hpc.report.analysis import Analysis
 from dlrover_hpc.report.model import Report
 
 log = logging.getLogger(__name__)
@@ -40,23 +41,39 @@ PREFIX = "dlrover_hpc_"
 
 
 class Observer:
-    def __init__(self, events: EventLog) -> None:
+    """Reads the job's ``events.jsonl`` as it grows (the master's own events and those the
+    training processes and savers append) into one running :class:`Analysis`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
         self.analysis = Analysis()
         self._lock = threading.Lock()
-        try:
-            for record in read_events(events.path):
-                self.analysis.add(record)
-        except UsageError as exc:  # a damaged log: count from here on, say so once
-            log.warning("goodput so far starts now: %s", exc)
-        events.listeners.append(self._add)
+        self._offset = 0
+        self._partial = b""
+        self._warned = False
 
-    def _add(self, record: dict[str, object]) -> None:
-        with self._lock:
-            self.analysis.add(record)
+    def _catch_up(self) -> None:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for line in lines:
+            try:
+                record = json.loads(line)
+                self.analysis.add(record)
+            except (ValueError, KeyError, TypeError) as exc:
+                if not self._warned:  # a damaged line: skip it, say so once
+                    log.warning("goodput: skipped a bad line of %s (%s)", self.path, exc)
+                    self._warned = True
 
     def report(self) -> Report | None:
         """Goodput so far (no lanes); None before the job started."""
         with self._lock:
+            self._catch_up()
             try:
                 return self.analysis.report(now=time.time(), lanes=False)
             except UsageError:
@@ -64,6 +81,7 @@ class Observer:
 
     def checkpoint_seconds(self) -> dict[str, list[float]]:
         with self._lock:
+            self._catch_up()
             a = self.analysis
             return {
                 "save": [v for r in a.rounds for v in r.blocking.values()],
@@ -149,7 +167,7 @@ class JobCollector:
         yield _histogram(
             p + "checkpoint_restore_seconds", "Seconds a rank took to restore", seconds["restore"]
         )
-        if report is not None:
+        if report is not None and report.ideal_step_s > 0:  # known after a few step reports
             yield GaugeMetricFamily(
                 p + "goodput",
                 "Goodput so far: useful steps x median step time / wall",

@@ -65,7 +65,7 @@ class MasterServer:
         self.epoch = failover.take_over(job_dir) if epoch is None else epoch
         self.superseded = False  # a newer master claimed the job: this one stepped down
         self.events = EventLog(job_dir / "events.jsonl")
-        self.observer = metrics.Observer(self.events)  # goodput so far, from the whole log
+        self.observer = metrics.Observer(self.events.path)  # goodput so far, from the log
         self._stop_metrics: Callable[[], None] | None = None
         topology = None
         if config.topology:
@@ -157,7 +157,7 @@ class MasterServer:
         committed = self.observer.analysis.committed.get(step, 0.0) if step is not None else 0.0
         return dataclasses.replace(
             reply,
-            goodput=report.goodput,
+            goodput=report.goodput if report.ideal_step_s > 0 else -1.0,
             checkpoint_step=-1 if step is None else step,
             checkpoint_age_s=round(time.time() - committed, 1) if committed else -1.0,
         )

@@ -81,13 +81,21 @@ def watch_status(
     console: Console | None = None,
 ) -> int:
     console = console or Console()
-    directory = st.find_job_dir(job_dir) if not master else (Path(job_dir) if job_dir else None)
+    if job_dir:  # it may not exist yet: a job just submitted makes it when its master starts
+        directory: Path | None = Path(job_dir)
+    else:
+        directory = None if master else st.find_job_dir(None)
     last: m.StatusReply | None = None
     with Live(Text("asking the job master..."), console=console, auto_refresh=False) as live:
         while True:
             problem = ""
             info: st.MasterInfo | None = None
             try:
+                if directory is not None and not directory.is_dir():
+                    raise DlroverHpcError(
+                        f"{directory} does not exist yet: the job's master has not started "
+                        "(is the job still pending? see squeue)"
+                    )
                 info, token = st.find_master(master, job_dir)
                 last = asyncio.run(st.fetch_status(info.host, info.port, token))
             except DlroverHpcError as exc:  # no master.json yet, or a stale one
@@ -96,11 +104,13 @@ def watch_status(
                 problem = str(st.unreachable(info, exc) if info is not None else exc)
             now = time.time()
             if last is not None and Phase(last.state) in ENDED and not problem:
-                live.update(table(last, at=now), refresh=True)
+                note = Text(f"the job {last.state}", "bold")
+                live.update(Group(table(last, at=now), note), refresh=True)
                 return 0 if last.state == Phase.FINISHED else 1
             ended = _ended_in_log(directory)
             if problem and ended is not None:
-                note = Text(f"the job ended (exit code {ended}); its master is gone", "bold")
+                how = "finished" if ended == 0 else "failed"
+                note = Text(f"the job {how} (exit code {ended}); its master is gone", "bold")
                 live.update(Group(table(last, at=now), note) if last else note, refresh=True)
                 return 0 if ended == 0 else 1
             view = table(last, at=now) if last is not None else Text("")

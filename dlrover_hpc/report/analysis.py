@@ -91,9 +91,9 @@ class Analysis:
             case "job_started":
                 if self.start is None:
                     self.start, self.job_id = t, str(e.get("job_id", ""))
-            case "job_finished":
+            case "job_finished":  # its count is the job's; a round's may count a pending one
                 self.finish = e
-                self.restart_count = max(self.restart_count, int(e.get("restart_count", 0)))
+                self.restart_count = int(e.get("restart_count", self.restart_count))
             case "rendezvous_complete":
                 self.rounds.append(Round(int(e["round"]), t, list(e["nodes"])))
                 self.restart_count = max(self.restart_count, int(e.get("restart_count", 0)))
@@ -253,27 +253,42 @@ class Analysis:
         return i < len(self.disturbed) and self.disturbed[i] <= t1
 
     def _steps(self, ideal: float) -> tuple[int, int, list[tuple[Round, float, float]]]:
-        """Distinct steps, steps trained again, and each round's training stretch."""
+        """Distinct steps, steps trained again, and each round's training stretch.
+
+        A round that restored step ``R`` proves the rounds before it trained (and kept) every
+        step up to ``R``, also past their newest progress report: those count, and the
+        previous round's stretch runs on to about when it reached ``R``."""
         frontier: int | None = None
         useful = redone = 0
         stretches = []
-        for r in self.rounds:
+        for i, r in enumerate(self.rounds):
+            if r.restored is not None and frontier is not None and r.restored > frontier:
+                useful += r.restored - frontier
+                frontier = r.restored
             if not r.samples:
                 continue
             first_step = r.samples[0][1]
-            begin = (
-                r.restored if r.restored is not None else (0 if frontier is None else first_step)
-            )
+            begin = first_step if frontier is not None else 0
+            if r.restored is not None:
+                begin = r.restored
             last = r.samples[-1][1]
             done = frontier if frontier is not None else begin
             useful += max(0, last - max(done, begin))
             redone += max(0, min(last, done) - begin)
             frontier = max(done, last)
             moved = [(t, s) for t, s in r.samples if s > first_step]
-            if moved:
-                t1, s1 = moved[0]
-                began = max(r.samples[0][0], t1 - (s1 - max(begin, first_step)) * ideal)
-                stretches.append((r, min(began, t1), r.samples[-1][0]))
+            if not moved:
+                continue
+            t1, s1 = moved[0]
+            began = max(r.samples[0][0], t1 - (s1 - max(begin, first_step)) * ideal)
+            t_last = r.samples[-1][0]
+            ended = t_last
+            after = self.rounds[i + 1] if i + 1 < len(self.rounds) else None
+            if after is not None and after.restored is not None and after.restored > last:
+                j = bisect.bisect_right(self.disturbed, t_last)
+                stop = self.disturbed[j] if j < len(self.disturbed) else after.time
+                ended = min(stop, after.time, t_last + (after.restored - last) * ideal)
+            stretches.append((r, min(began, t1), max(t_last, ended)))
         return useful, redone, stretches
 
     def _gaps(
@@ -336,7 +351,8 @@ class Analysis:
                     state=final.get(node),
                 )
             )
-        return out
+        first = {n.node: min(n.ranks.items())[1] if n.ranks else 1 << 30 for n in out}
+        return sorted(out, key=lambda n: (first[n.node], n.node))  # the first round's order
 
 
 def _trained(r: Round, step: int, stretches: list[tuple[Round, float, float]]) -> bool:

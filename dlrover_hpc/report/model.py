@@ -118,7 +118,7 @@ class Report:
     checkpoint_restore: Stats
     restores: dict[str, int]  # source (memory | peer | storage) -> ranks restored from it
     last_checkpoint_step: int | None  # newest committed (persisted) step
-    nodes: list[NodeSummary]  # in order of first appearance
+    nodes: list[NodeSummary]  # by rank in their first round, then by name
     spans: list[Span] = dataclasses.field(default_factory=list)
     markers: list[Marker] = dataclasses.field(default_factory=list)
 

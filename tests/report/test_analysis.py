@@ -170,3 +170,24 @@ def test_read_events_names_the_bad_line_and_skips_a_torn_last_one(tmp_path: Path
         list(read_events(tmp_path / "nope.jsonl"))
     with pytest.raises(ReportError, match="no job_started event"):
         analyze([ev(0, "node_joined", node="n1")])
+
+
+def test_a_restore_newer_than_the_last_report_counts_the_steps_in_between() -> None:
+    """Progress is reported every few seconds: round 1 was last heard at step 10 but trained
+    on to step 30 (the checkpoint round 2 restored) before it failed."""
+    events = [
+        ev(0, "job_started", job_id="1"),
+        ev(1, "rendezvous_complete", round=1, nodes=["n1"]),
+        *progress(1, (2, 0), (3, 5), (4, 10)),
+        ev(9, "worker_failed", node="n1", rank=0, signal="SIGKILL", classification="software"),
+        ev(10, "rendezvous_complete", round=2, nodes=["n1"], restart_count=1),
+        ev(11, "checkpoint_restored", node="n1", rank=0, step=30, source="memory", restore_s=0.1),
+        *progress(2, (11, 30), (12, 35), (13, 40), (14, 45)),
+        ev(14, "job_finished", exit_code=0, restart_count=1),
+    ]
+    r = analyze(events)
+    assert (r.steps, r.redone_steps, r.ideal_step_s) == (45, 0, pytest.approx(0.2))
+    # round 1's stretch runs on to about step 30 (4 s + 20 steps x 0.2 s), not its last report
+    n1 = [(s.start, s.end, s.state) for s in r.spans if s.state is LaneState.TRAINING]
+    assert n1[0] == (2.0, 8.0, LaneState.TRAINING)
+    assert r.useful_s + sum(r.lost_s.values()) == pytest.approx(r.wall_s)
