@@ -22,7 +22,6 @@ time plus every cause adds up to the wall time.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import itertools
 import json
 from collections import Counter
@@ -32,7 +31,7 @@ from typing import Any
 
 from dlrover_hpc.errors import ReportError
 from dlrover_hpc.report import lanes as _lanes
-from dlrover_hpc.report.model import Cause, Marker, NodeSummary, Report, Stats
+from dlrover_hpc.report.model import Cause, Marker, NodeSummary, Report, Round, Stats
 
 #: events after which the next step interval is not an undisturbed one
 DISTURBING = frozenset(
@@ -46,20 +45,6 @@ _MARKED = {
     "node_quarantined": "drained",
     "straggler_detected": "straggler",
 }
-
-
-@dataclasses.dataclass(slots=True)
-class Round:
-    number: int
-    time: float  # rendezvous_complete
-    nodes: list[str]
-    progress: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (at, step)
-    restored: int | None = None  # the newest step its ranks restored
-    restore_s: float = 0.0  # its slowest rank's restore
-    restore_at: float = 0.0
-    blocking: dict[int, float] = dataclasses.field(default_factory=dict)  # step -> slowest rank
-    samples: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # set by report
-    saved_at: dict[int, float] = dataclasses.field(default_factory=dict)  # step -> first save
 
 
 class Analysis:
@@ -188,7 +173,13 @@ class Analysis:
         lost[Cause.CHECKPOINT_BLOCKING] = blocking
         lost[Cause.REDONE_STEPS] = redone * ideal
         lost[Cause.SLOW_STEPS] = training - steps * ideal - blocking - redone * ideal
-        spans = _lanes.spans(self, start, end, stretches) if lanes else []
+        spans = (
+            _lanes.spans(
+                self.rounds, self.netchecks, self.node_events, self.finish, start, end, stretches
+            )
+            if lanes
+            else []
+        )
         return Report(
             job_id=self.job_id,
             finished=self.finish is not None,

@@ -6,12 +6,9 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from dlrover_hpc.report.model import LaneState, Span
-
-if TYPE_CHECKING:
-    from dlrover_hpc.report.analysis import Analysis, Round
+from dlrover_hpc.report.model import LaneState, Round, Span
 
 #: node events that change a node's lane (besides its ranks in each round and its failures)
 NODE_EVENTS = frozenset(
@@ -59,17 +56,22 @@ class Painter:
 
 
 def spans(
-    analysis: Analysis, start: float, end: float, stretches: Sequence[tuple[Round, float, float]]
+    rounds: Sequence[Round],
+    netchecks: Sequence[tuple[float, float]],
+    node_events: dict[str, list[tuple[float, str, str]]],
+    finish: dict[str, Any] | None,
+    start: float,
+    end: float,
+    stretches: Sequence[tuple[Round, float, float]],
 ) -> list[Span]:
     """Every node's lane from its first event to ``end``, relative to ``start``."""
-    rounds = analysis.rounds
     round_times = [r.time for r in rounds]
     trained = {id(r): (a, b) for r, a, b in stretches}
     job_cuts = {start, end, *round_times, *[x for _, a, b in stretches for x in (a, b)]}
-    for c0, c1 in analysis.netchecks:
+    for c0, c1 in netchecks:
         job_cuts |= {c0, c1}
     out: list[Span] = []
-    for node, events in analysis.node_events.items():
+    for node, events in node_events.items():
         events = sorted(events, key=lambda e: e[0])
         first = max(start, events[0][0])
         times = [t for t, _, _ in events]
@@ -77,7 +79,9 @@ def spans(
         current: Span | None = None
         for x, y in itertools.pairwise(cuts):
             mid = (x + y) / 2
-            state = _state_at(node, mid, events, times, rounds, round_times, trained, analysis)
+            state = _state_at(
+                node, mid, events, times, rounds, round_times, trained, netchecks, finish
+            )
             if state is None:
                 continue
             if current is not None and current.state is state and current.end == x - start:
@@ -97,7 +101,8 @@ def _state_at(
     rounds: Sequence[Round],
     round_times: list[float],
     trained: dict[int, tuple[float, float]],
-    analysis: Analysis,
+    netchecks: Sequence[tuple[float, float]],
+    finish: dict[str, Any] | None,
 ) -> LaneState | None:
     out: LaneState | None = None
     for _, name, _ in events[: bisect.bisect_right(times, t)]:
@@ -107,7 +112,7 @@ def _state_at(
             out = None
     if out is not None:
         return out
-    if any(c0 <= t <= c1 for c0, c1 in analysis.netchecks):
+    if any(c0 <= t <= c1 for c0, c1 in netchecks):
         return LaneState.CHECK
     i = bisect.bisect_right(round_times, t) - 1
     if i < 0:
@@ -121,7 +126,6 @@ def _state_at(
         return LaneState.SPARE
     if stretch is None or t < stretch[0]:
         return LaneState.RESTARTING  # its workers starting (or failing before they trained)
-    finish = analysis.finish
     if not over or (finish is not None and not finish.get("exit_code")):
         return LaneState.TRAINING  # (after the newest step: the last steps, the exits)
     return LaneState.RENDEZVOUS

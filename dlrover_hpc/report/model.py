@@ -40,6 +40,22 @@ class Cause(enum.StrEnum):
     SHUTDOWN = "shutdown"  # the last step to job_finished (final persist, exits)
 
 
+@dataclasses.dataclass(slots=True)
+class Round:
+    """One rendezvous round as the analysis sees it (wall clock times)."""
+
+    number: int
+    time: float  # rendezvous_complete
+    nodes: list[str]
+    progress: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (at, step)
+    restored: int | None = None  # the newest step its ranks restored
+    restore_s: float = 0.0  # its slowest rank's restore
+    restore_at: float = 0.0
+    blocking: dict[int, float] = dataclasses.field(default_factory=dict)  # step -> slowest rank
+    samples: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # set by report
+    saved_at: dict[int, float] = dataclasses.field(default_factory=dict)  # step -> first save
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Span:
     node: str
