@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -13,6 +14,10 @@ from pathlib import Path
 from dlrover_hpc.errors import ConfigError
 
 MASTER_INFO = "master.json"  # written by the master once it listens: host, port, pid, job_id
+#: DLRover's parallelism config (``{"dataloader": {"version": N, "batch_size": B}}``): the
+#: workers' ElasticDataLoader reads it; ``dlrover-hpc batch-size`` writes it
+PARAL_CONFIG = "paral_config.json"
+PARAL_CONFIG_ENV = "DLROVER_PARAL_CONFIG_PATH"  # DLRover's variable
 
 
 def default_job_dir(env: Mapping[str, str] | None = None) -> str:
@@ -35,3 +40,24 @@ def make_job_dir(path: str | os.PathLike[str]) -> Path:
             "pass --job-dir DIR with a directory you can write"
         ) from None
     return job_dir
+
+
+def write_batch_size(job_dir: Path, batch_size: int) -> int:
+    """Set the workers' ElasticDataLoader batch size: rewrite the job's parallelism config
+    with the next version (atomically); returns that version."""
+    if batch_size < 1:
+        raise ConfigError(f"batch size {batch_size}: must be at least 1")
+    path = job_dir / PARAL_CONFIG
+    version = 0
+    try:
+        old = json.loads(path.read_text())
+        version = int(old.get("dataloader", {}).get("version", 0))
+    except FileNotFoundError:
+        pass
+    except (ValueError, AttributeError, TypeError) as exc:
+        raise ConfigError(f"{path} is not a parallelism config ({exc}); remove it") from None
+    version += 1
+    tmp = path.with_name(f".{PARAL_CONFIG}.{os.getpid()}")
+    tmp.write_text(json.dumps({"dataloader": {"version": version, "batch_size": batch_size}}))
+    os.replace(tmp, path)
+    return version

@@ -15,6 +15,7 @@ from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResu
 
 from dlrover_hpc.agent.zygote import Zygote, exec_args, run_args
 from dlrover_hpc.config import RunConfig
+from dlrover_hpc.jobdir import PARAL_CONFIG, PARAL_CONFIG_ENV
 from dlrover_hpc.progress import PATH_ENV
 from dlrover_hpc.protocol.messages import Assignment
 
@@ -74,6 +75,10 @@ def worker_env(
     }
     if PATH_ENV in extra:  # a template: one progress record per worker
         env[PATH_ENV] = extra[PATH_ENV].format(local_rank)
+    if "DLROVER_HPC_JOB_DIR" in extra and PARAL_CONFIG_ENV not in os.environ:
+        # DLRover's parallelism config: ElasticDataLoader reads its batch size from it after
+        # each optimizer step; `dlrover-hpc batch-size N` rewrites it during training.
+        env[PARAL_CONFIG_ENV] = os.path.join(extra["DLROVER_HPC_JOB_DIR"], PARAL_CONFIG)
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default
     return env

@@ -339,3 +339,26 @@ def _stacks(args: argparse.Namespace) -> int:
     from dlrover_hpc.master.status import print_stacks
 
     return print_stacks(master=args.master, job_dir=args.job_dir)
+
+
+def register_batch_size(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "batch-size",
+        help="change the micro batch size of a running job's ElasticDataLoader",
+        description="Rewrite the job directory's paral_config.json (DLRover's parallelism "
+        "config, which dlrover-run points the workers at): each ElasticDataLoader applies the "
+        "new batch size after its next optimizer step; ElasticTrainer keeps the global batch.",
+    )
+    p.add_argument("batch_size", type=int, help="samples per micro-batch and rank")
+    p.add_argument("--job-dir", default=env_default("job_dir", None), help="job directory")
+    p.set_defaults(func=_batch_size)
+
+
+def _batch_size(args: argparse.Namespace) -> int:
+    from dlrover_hpc.jobdir import write_batch_size
+    from dlrover_hpc.master.status import find_job_dir
+
+    job_dir = find_job_dir(args.job_dir)
+    version = write_batch_size(job_dir, args.batch_size)
+    print(f"batch size {args.batch_size} (config version {version}) in {job_dir}")
+    return 0

@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.register_status(sub)
     commands.register_stacks(sub)
     commands.register_report(sub)
+    commands.register_batch_size(sub)
     local_slurm.register(sub)
     return parser
 

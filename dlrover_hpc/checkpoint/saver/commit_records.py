@@ -95,7 +95,12 @@ class CheckpointDir:
             return None
 
     def commit(
-        self, record: CommitRecord, *, keep_last: int | None, fault: FaultHook = _no_fault
+        self,
+        record: CommitRecord,
+        *,
+        keep_last: int | None,
+        keep_interval: int | None = None,
+        fault: FaultHook = _no_fault,
     ) -> None:
         fault("commit:start")
         self.storage.write_bytes(self.record_path(record.step), record.to_json(), fault=fault)
@@ -104,8 +109,8 @@ class CheckpointDir:
         if current is None or record.step >= current:
             self.storage.write_bytes(self.tracker, f"{record.step}\n".encode(), fault=fault)
         fault("commit:tracked")
-        if keep_last:
-            self.apply_retention(keep_last, fault=fault)
+        if keep_last or keep_interval:
+            self.apply_retention(keep_last, keep_interval=keep_interval, fault=fault)
         step_path = self.storage.path(record.path)
         for directory in {self.root, self.records_dir, posixpath.dirname(step_path), step_path}:
             self.storage.sweep_tmp(directory)
@@ -114,22 +119,51 @@ class CheckpointDir:
         """Drops a commit record whose files are about to be replaced by another save."""
         self.storage.remove(self.record_path(step))
 
-    def apply_retention(self, keep_last: int, *, fault: FaultHook = _no_fault) -> list[int]:
-        """Deletes all but the newest `keep_last` committed steps: record first, then data,
-        so a crash never leaves a record that points at deleted data."""
-        if keep_last < 1:
+    def apply_retention(
+        self,
+        keep_last: int | None,
+        *,
+        keep_interval: int | None = None,
+        fault: FaultHook = _no_fault,
+    ) -> list[int]:
+        """Deletes the committed steps that retention does not keep: the newest `keep_last`
+        (the newest one when only `keep_interval` is set) and, with `keep_interval`, every step
+        that is a multiple of it (DLRover's KeepStepIntervalStrategy).  Record first, then
+        data, so a crash never leaves a record that points at deleted data.  A step's data
+        that leaves its directory inside the checkpoint directory empty takes it along
+        (DLRover's `<dir>/<step>/rank_0.pt` layout)."""
+        newest = 1 if keep_last is None else keep_last
+        if newest < 1:
             raise CheckpointError(f"keep_last={keep_last} must be at least 1")
+        if keep_interval is not None and keep_interval < 1:
+            raise CheckpointError(f"keep_interval={keep_interval} must be at least 1")
         records = self.records()
-        kept = {self.storage.path(r.path) for r in records[:keep_last]}
+        keep = [
+            r
+            for i, r in enumerate(records)
+            if i < newest or (keep_interval and r.step % keep_interval == 0)
+        ]
+        kept = {self.storage.path(r.path).rstrip("/") for r in keep}
+        kept_steps = {r.step for r in keep}
         removed = []
-        for old in records[keep_last:]:
+        for old in records:
+            if old.step in kept_steps:
+                continue
             self.storage.remove(self.record_path(old.step))
             fault("retention:record_removed")
-            data = self.storage.path(old.path)
-            if data not in kept and data.rstrip("/") != self.root:
+            data = self.storage.path(old.path).rstrip("/")
+            if data not in kept and data != self.root:
                 self.storage.remove(data)
+                parent = posixpath.dirname(data)
+                if self.root != "/" and parent.startswith(f"{self.root}/"):
+                    self.storage.remove_empty_dir(parent)
             fault("retention:data_removed")
             removed.append(old.step)
         if removed:
-            logger.info("checkpoint retention removed_steps=%s keep_last=%d", removed, keep_last)
+            logger.info(
+                "checkpoint retention removed_steps=%s keep_last=%s keep_interval=%s",
+                removed,
+                keep_last,
+                keep_interval,
+            )
         return removed

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import posixpath
-from typing import Any
+from typing import Any, TypedDict
 
 from dlrover_hpc.checkpoint.api import FaultHook
 from dlrover_hpc.checkpoint.saver.segments import HEADER_SIZE, Header
 from dlrover_hpc.checkpoint.saver.storage import Storage, _no_fault
 from dlrover_hpc.errors import CheckpointError
+
+
+class Retention(TypedDict):
+    """Which committed steps a commit keeps (`CheckpointDir.apply_retention`)."""
+
+    keep_last: int | None
+    keep_interval: int | None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,6 +37,7 @@ class PartInfo:
     keep_last: int | None
     parts: int  # number of parts of the whole step (commit world size)
     ranks: tuple[int, ...]
+    keep_interval: int | None = None
 
     @classmethod
     def from_header(cls, header: Header) -> PartInfo | None:
@@ -49,11 +57,15 @@ class PartInfo:
                 keep_last=meta.get("keep_last"),
                 parts=int(part["parts"]),
                 ranks=tuple(int(r) for r in part["ranks"]),
+                keep_interval=meta.get("keep_interval"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(
                 f"segment meta of step {header.step} is malformed: {exc}"
             ) from exc
+
+    def retention(self) -> Retention:
+        return {"keep_last": self.keep_last, "keep_interval": self.keep_interval}
 
 
 def file_path(step_path: str, name: str) -> str:

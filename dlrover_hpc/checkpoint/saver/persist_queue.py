@@ -240,7 +240,7 @@ class SaverCore:
                     time=time.time(),
                 )
                 try:
-                    cdir.commit(record, keep_last=info.keep_last, fault=self._fault)
+                    cdir.commit(record, fault=self._fault, **info.retention())
                 except OSError as exc:
                     self._report_failure(info, exc)
                     return

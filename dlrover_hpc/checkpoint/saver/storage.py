@@ -234,6 +234,14 @@ class Storage:
         except FileNotFoundError:
             pass
 
+    def remove_empty_dir(self, path: str) -> None:
+        """Removes the directory `path` if it is empty (local file systems; object stores
+        have no empty directories)."""
+        if not self.local:
+            return
+        with contextlib.suppress(OSError):  # not empty, gone, or not a directory: leave it
+            os.rmdir(path)
+
 
 def run_parallel(tasks: Sequence[Callable[[], None]]) -> None:
     """Runs the tasks on fresh threads (the first in the caller's) and re-raises a failure.

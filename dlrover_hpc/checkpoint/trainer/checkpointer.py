@@ -59,6 +59,7 @@ class CheckpointerBase:
         env: WorkerEnv | None,
         link: SaverLink | None,
         device_snapshot: bool | None = None,
+        keep_interval: int | None = None,
     ) -> None:
         self.checkpoint_dir = checkpoint_dir
         self.verify = verify
@@ -73,6 +74,7 @@ class CheckpointerBase:
             events=events,
             link=link,
             device_snapshot=device_snapshot,
+            keep_interval=keep_interval,
         )
         #: (step, "memory" | "peer" | "storage") of the last successful load_checkpoint()
         self.last_restored: tuple[int, str] | None = None
@@ -109,6 +111,7 @@ class CheckpointerBase:
         from_storage: Callable[[CommitRecord], Load],
         *,
         memory: bool = True,
+        storage: bool = True,
     ) -> tuple[Source, int, Any]:
         """The state of the step every rank agrees on, with this rank's source and the step;
         (NONE, -1, None) when there is none.  Every rank must call it.
@@ -116,10 +119,11 @@ class CheckpointerBase:
         `from_memory` / `from_storage` do this rank's local part of a load (map, verify; it
         raises when this rank cannot load that step) and return the load proper, which may be
         collective: it runs only once every rank has prepared the same step.  `from_memory`
-        gets the bytes of this rank's part: a segment of its node, or a peer's copy."""
+        gets the bytes of this rank's part: a segment of its node, or a peer's copy.
+        `memory=False` / `storage=False` leave that source out (all ranks pass the same)."""
         engine = self._engine
         held = {ms.key: ms for ms in (engine.memory_parts() if memory else [])}
-        records = {r.step: r for r in engine.cdir.records()}
+        records = {r.step: r for r in (engine.cdir.records() if storage else [])}
         agreement = Agreement()
         mine = Holdings(
             memory=tuple(ms.as_part() for ms in held.values()),

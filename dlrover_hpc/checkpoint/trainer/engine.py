@@ -53,13 +53,17 @@ class Engine:
         link: SaverLink | None = None,
         max_wait_s: float = 600.0,
         device_snapshot: bool | None = None,
+        keep_interval: int | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last={keep_last} must be at least 1 (or None: keep all)")
+        if keep_interval is not None and keep_interval < 1:
+            raise CheckpointError(f"keep_interval={keep_interval} must be at least 1 (or None)")
         self.env = env or WorkerEnv.from_environ()
         self.ckpt_dir = checkpoint_dir
         self.kind = kind
         self.keep_last = keep_last
+        self.keep_interval = keep_interval  # also keep the multiples of it (keep_last or 1)
         self.tag = tag
         self.token = self.env.generation_token()
         ddp = kind == PartKind.DDP
@@ -118,6 +122,7 @@ class Engine:
             "ckpt_dir": self.ckpt_dir,
             "path": path,
             "keep_last": self.keep_last,
+            "keep_interval": self.keep_interval,
             "persist": storage_type == StorageType.DISK,
             "part": part,
             "pid": os.getpid(),

@@ -13,6 +13,7 @@ import logging
 import pickle
 import posixpath
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ class FsdpShardCheckpointer(CheckpointerBase):
         events: EventSink | None = None,
         env: WorkerEnv | None = None,
         link: SaverLink | None = None,
+        keep_interval: int | None = None,
     ) -> None:
         super().__init__(
             checkpoint_dir,
@@ -63,6 +65,7 @@ class FsdpShardCheckpointer(CheckpointerBase):
             events=events,
             env=env,
             link=link,
+            keep_interval=keep_interval,
         )
 
     # ------------------------------------------------------------------------ saving
@@ -146,9 +149,10 @@ class FsdpShardCheckpointer(CheckpointerBase):
         return seg
 
     # ------------------------------------------------------------------------ loading
-    def get_storage_reader(self) -> Any:
+    def get_storage_reader(self, *, storage: bool = True) -> Any:
         """A DCP StorageReader for the newest consistent step (memory, a peer's memory or
-        storage), or None.  Every rank must call it (the ranks agree on the step)."""
+        storage; memory only with `storage=False`), or None.  Every rank must call it (the
+        ranks agree on the step)."""
 
         def from_memory(held: StepBytes) -> Load:
             reader = ShmStorageReader(held)
@@ -158,38 +162,51 @@ class FsdpShardCheckpointer(CheckpointerBase):
             reader = VerifyingFileReader(self._engine.storage, record.path, verify=self.verify)
             return lambda: (reader, record.token)
 
-        return self._load_agreed(from_memory, from_storage)[2]
+        return self._load_agreed(from_memory, from_storage, storage=storage)[2]
 
-    def load_checkpoint(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def load_checkpoint(
+        self, state_dict: dict[str, Any], *, storage: bool = True
+    ) -> dict[str, Any]:
         """Loads the newest consistent step into `state_dict` in place (DCP semantics) and
         returns it; {} when there is no checkpoint.  Every rank must call it."""
+        loaded = self.load_with(
+            lambda reader: dcp.load(state_dict, storage_reader=reader), storage=storage
+        )
+        return state_dict if loaded else {}
+
+    def load_with(self, load: Callable[[Any], object], *, storage: bool = True) -> bool:
+        """Runs `load(reader)`, a collective load of the caller's making over a DCP
+        StorageReader (several `dcp.load` calls, FSDP's `load_sharded_optimizer_state_dict`),
+        on the step every rank agrees on, stepping back together when it fails on any rank.
+        False when there is no checkpoint (memory only with `storage=False`).  Every rank must
+        call it."""
         t0 = time.perf_counter()
 
         def from_memory(held: StepBytes) -> Load:
             reader = ShmStorageReader(held)
-            return lambda: (_dcp_load(state_dict, reader), held.token)
+            return lambda: (_collective_load(load, reader), held.token)
 
         def from_storage(record: CommitRecord) -> Load:
             reader = VerifyingFileReader(self._engine.storage, record.path, verify=self.verify)
             metadata = reader.read_metadata()  # this rank can read the step: then all load it
             save_id = getattr(metadata.storage_meta, "save_id", None) or "0"
             signature = int(save_id, 16) if _is_hex(save_id) else 0
-            return lambda: (_dcp_load(state_dict, reader), signature)
+            return lambda: (_collective_load(load, reader), signature)
 
-        source, step, _ = self._load_agreed(from_memory, from_storage)
+        source, step, _ = self._load_agreed(from_memory, from_storage, storage=storage)
         self._report_restored(source, step, t0)
-        return {} if source == Source.NONE else state_dict
+        return source != Source.NONE
 
 
-def _dcp_load(state_dict: dict[str, Any], reader: Any) -> dict[str, Any]:
-    """`dcp.load` (collective: DCP gathers every rank's error, so all ranks fail together)."""
+def _collective_load(load: Callable[[Any], object], reader: Any) -> bool:
+    """`load(reader)`; DCP gathers every rank's error, so all ranks fail together."""
     try:
-        dcp.load(state_dict, storage_reader=reader)
+        load(reader)
     except CheckpointException as exc:  # a BaseException: made an error the restore handles
         raise CheckpointError(
             f"torch.distributed.checkpoint.load failed: {_failures(exc)}"
         ) from exc
-    return state_dict
+    return True
 
 
 def _failures(exc: CheckpointException) -> str:

@@ -68,6 +68,7 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
         env: WorkerEnv | None = None,
         link: SaverLink | None = None,
         device_snapshot: bool | None = None,
+        keep_interval: int | None = None,
     ) -> None:
         super().__init__(
             checkpoint_dir,
@@ -81,6 +82,7 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
             env=env,
             link=link,
             device_snapshot=device_snapshot,
+            keep_interval=keep_interval,
         )
         self.weights_only = weights_only
         self._layout: TorchFileLayout | None = None
@@ -245,12 +247,14 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
         state_dict: Any = None,
         weights_only: bool | None = None,
         memory: bool = True,
+        storage: bool = True,
     ) -> dict[str, Any]:
         """The newest consistent step: from memory when some rank holds it (a rank that lacks
         it receives it from one that holds it), else the newest committed step on storage ({}
         when there is none).  Tensors are copied into the
         matching tensors of `state_dict` when given, else into fresh memory.  Every rank must
-        call it; `memory=False` reads storage only; `resume_path` reads that file."""
+        call it; `memory=False` reads storage only, `storage=False` memory only;
+        `resume_path` reads that file."""
         t0 = time.perf_counter()
         wo = self.weights_only if weights_only is None else weights_only
         engine = self._engine
@@ -277,7 +281,9 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
             result = merge_into(views, state_dict, engine.copier)
             return lambda: (result, record.token)
 
-        source, step, result = self._load_agreed(from_memory, from_storage, memory=memory)
+        source, step, result = self._load_agreed(
+            from_memory, from_storage, memory=memory, storage=storage
+        )
         self._report_restored(source, step, t0, target_device(state_dict))
         if source == Source.NONE:
             return {}
