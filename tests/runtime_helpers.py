@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -30,6 +31,17 @@ def events(job_dir: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def jsonl_records(log_dir: Path, pattern: str = "rank*.jsonl") -> list[dict]:
+    """Every JSON line of the files ``pattern`` names in ``log_dir`` (a line torn by a kill
+    is skipped)."""
+    out = []
+    for path in sorted(log_dir.glob(pattern)):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+    return out
 
 
 def named(evs: list[dict], name: str) -> list[dict]:

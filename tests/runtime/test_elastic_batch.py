@@ -6,29 +6,17 @@ the global batch, not the world size, fixes the numbers."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 
 import pytest
-from runtime_helpers import BIN, TRAIN, events, named, sbatch, wait_job
+from runtime_helpers import BIN, TRAIN, events, jsonl_records, named, sbatch, wait_job
 
 from dlrover_hpc.testing import LocalSlurm, wait_for
 
 pytestmark = pytest.mark.slurm
 ELASTIC = TRAIN.parent / "train_elastic.py"
 SAMPLES, GLOBAL = 4800, 24
-
-
-def _records(log_dir: Path) -> list[dict]:
-    out = []
-    for path in sorted(log_dir.glob("rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a line torn by the crash
-    return out
 
 
 def surviving_steps(records: list[dict]) -> tuple[dict[int, list[int]], dict[int, float]]:
@@ -84,7 +72,7 @@ def test_the_global_batch_and_the_samples_survive_4_3_4_nodes(
     )
     try:
         wait_for(
-            lambda: any(r.get("step", 0) >= 40 for r in _records(log_dir)),
+            lambda: any(r.get("step", 0) >= 40 for r in jsonl_records(log_dir)),
             timeout_s=180,
             what="step 40",
         )
@@ -92,8 +80,8 @@ def test_the_global_batch_and_the_samples_survive_4_3_4_nodes(
         wait_for(
             lambda: any(
                 r.get("step", 0) >= s + 20
-                for r in _records(log_dir)
-                for s in [x["start"] for x in _records(log_dir) if x.get("world") == 3][:1]
+                for r in jsonl_records(log_dir)
+                for s in [x["start"] for x in jsonl_records(log_dir) if x.get("world") == 3][:1]
             ),
             timeout_s=120,
             what="20 steps on 3 nodes",
@@ -105,13 +93,13 @@ def test_the_global_batch_and_the_samples_survive_4_3_4_nodes(
         local_slurm.restart_node("node4")
     out = (work / f"slurm-{job}.out").read_text()
     assert fields["JobState"] == "COMPLETED", out[-4000:]
-    records = _records(log_dir)
+    records = jsonl_records(log_dir)
     worlds = _worlds(records)
     assert worlds[0] == 4 and 3 in worlds and worlds[-1] == 4, (worlds, out[-3000:])
     assert named(events(work / ".dlrover-hpc" / job), "node_lost")
 
     samples, losses = surviving_steps(records)
-    reference, ref_losses = surviving_steps(_records(ref / "log"))
+    reference, ref_losses = surviving_steps(jsonl_records(ref / "log"))
     assert sorted(samples) == sorted(reference) == list(range(1, SAMPLES // GLOBAL + 1))
     trained = [i for step in samples.values() for i in step]
     assert sorted(trained) == list(range(SAMPLES))  # every sample once

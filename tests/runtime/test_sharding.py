@@ -4,29 +4,17 @@ model exactly once (the samples of steps rolled back by a restore do not count).
 
 from __future__ import annotations
 
-import contextlib
-import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from runtime_helpers import TRAIN, events, named, sbatch, wait_job
+from runtime_helpers import TRAIN, events, jsonl_records, named, sbatch, wait_job
 
 from dlrover_hpc.testing import LocalSlurm, wait_for
 
 pytestmark = pytest.mark.slurm
 SHARDED = TRAIN.parent / "train_sharded.py"
 SAMPLES, EPOCHS = 1200, 2
-
-
-def _records(log_dir: Path) -> list[dict]:
-    out = []
-    for path in sorted(log_dir.glob("rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                with contextlib.suppress(ValueError):  # a line torn by the kill
-                    out.append(json.loads(line))
-    return out
 
 
 def trained_samples(records: list[dict]) -> Counter[int]:
@@ -74,7 +62,7 @@ def test_every_sample_is_trained_once_through_a_worker_kill_and_a_node_loss(
     try:
         wait_for(
             lambda: any(
-                r.get("round", 0) >= 2 and r.get("step", 0) >= 30 for r in _records(log_dir)
+                r.get("round", 0) >= 2 and r.get("step", 0) >= 30 for r in jsonl_records(log_dir)
             ),
             timeout_s=180,
             what="the restarted round to train past step 30",
@@ -88,7 +76,7 @@ def test_every_sample_is_trained_once_through_a_worker_kill_and_a_node_loss(
     evs = events(job_dir)
     assert [e["node"] for e in named(evs, "node_lost")] == ["node4"]
     assert any(e.get("signal") == "SIGKILL" for e in named(evs, "worker_failed"))
-    records = _records(log_dir)
+    records = jsonl_records(log_dir)
     rounds = {r["round"] for r in records if "start" in r}
     assert len(rounds) >= 3, rounds  # the first, after the kill, after the loss
     seen = trained_samples(records)
