@@ -148,9 +148,9 @@ class MasterServer:
         """Drain or quarantine in a thread: scontrol must not stall the event loop."""
         asyncio.get_running_loop().run_in_executor(None, self._remover.remove, node, reason)
 
-    def _status(self, msg: m.StatusRequest) -> m.StatusReply:
+    async def _status(self, msg: m.StatusRequest) -> m.StatusReply:
         reply = self.agents.status(msg)
-        report = self.observer.report()
+        report = await asyncio.to_thread(self.observer.report)  # reads the log: not on the loop
         if report is None:
             return reply
         step = report.last_checkpoint_step

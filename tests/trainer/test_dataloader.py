@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlrover_hpc.trainer.elastic import ElasticDataLoader
+from dlrover_hpc.trainer.elastic import ElasticDataLoader, ElasticTrainer
 from dlrover_hpc.trainer.elastic.dataloader import CONFIG_PATH_ENV
 
 DATA = list(range(40))
@@ -109,3 +109,22 @@ def test_batch_size_cannot_be_assigned_after_construction() -> None:
     loader = ElasticDataLoader(DATA, batch_size=4)
     with pytest.raises(ValueError, match="should not be set"):
         loader.batch_size = 8
+
+
+def test_the_trainer_reloads_the_config_after_each_optimizer_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DLRover's ElasticTrainer calls update_batch_size() after each optimizer step."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # one rank: 2 micro-steps of 2 per step
+    config = tmp_path / "paral.json"
+    loader = ElasticDataLoader(list(range(16)), batch_size=2, config_file=config)
+    m = torch.nn.Linear(1, 1)
+    trainer = ElasticTrainer(m, loader, global_batch_size=4)
+    optimizer = trainer.prepare(torch.optim.SGD(m.parameters(), lr=0.1))
+    config.write_text(json.dumps({"dataloader": {"version": 1, "batch_size": 4}}))
+    sizes = []
+    for batch in loader:
+        sizes.append(len(batch))
+        with trainer.step():
+            optimizer.step()
+    assert sizes == [2, 2, 4, 4, 4]  # read after the first window's optimizer step

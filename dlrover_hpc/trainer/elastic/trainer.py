@@ -42,17 +42,17 @@ def world_size() -> int:
     """``torch.distributed``'s world size when initialized, else ``$WORLD_SIZE`` (default 1)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    return _env_int("WORLD_SIZE", 1)
+    return _env_int("WORLD_SIZE", 1, least=1)
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_int(name: str, default: int, *, least: int = 0) -> int:
     raw = os.environ.get(name, "")
     try:
         value = int(raw) if raw else default
     except ValueError:
         raise ValueError(f"${name} must be an integer, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"${name} must be >= 0, got {value}")
+    if value < least:
+        raise ValueError(f"${name} must be >= {least}, got {value}")
     return value
 
 
@@ -346,7 +346,7 @@ class ElasticTrainer:
                 f"world size {world} = {micro * world}"
             )
         else:  # DLRover's rule: as many micro-batches per step as the largest world has ranks
-            target = _env_int("WORKER_NUM", 0) * _env_int("LOCAL_WORLD_SIZE", 1)
+            target = _env_int("WORKER_NUM", 0) * _env_int("LOCAL_WORLD_SIZE", 1, least=1)
             gas = max(1, target // world)
             used = gas * world if target else target
             unit = "micro-batches"
