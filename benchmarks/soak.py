@@ -6,7 +6,8 @@ node's link cut for 30 s; a node crash (back after 20 s); an admin drain (resume
 The master's node is spared (it has no stand-by yet).  Prints one JSON line: goodput (distinct
 steps x ideal step time / wall; the ideal step time is the median interval between
 consecutive steps of the same run, the baseline measured in the same job), each stall with its
-cause, lost steps beyond the newest memory checkpoint, restores by source.
+cause, lost steps beyond the newest memory checkpoint, restores by source; and beside it the
+goodput and lost time by cause that ``dlrover-hpc report`` finds in the job's event log alone.
 
     python benchmarks/soak.py --duration 600 --every 50 --seed 1
 
@@ -25,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from dlrover_hpc.report.analysis import analyze, read_events  # noqa: E402
 from dlrover_hpc.testing import LocalSlurm, LocalSlurmConfig  # noqa: E402
 from dlrover_hpc.testing.soak import run_soak  # noqa: E402
 
@@ -58,6 +60,12 @@ def main() -> None:
         )
     finally:
         cluster.down()
+    # The same goodput from the event log alone (dlrover-hpc report), beside rank 0's timing.
+    events = work / ".dlrover-hpc" / str(report["job"]) / "events.jsonl"
+    if events.exists():
+        logged = analyze(read_events(events))
+        report["report_goodput"] = logged.goodput
+        report["report_lost_s"] = {str(k): v for k, v in logged.lost_s.items() if v}
     report["work"] = str(work) if args.keep else None
     print(json.dumps(report))
 
