@@ -182,8 +182,9 @@ def check_listen(host: str, port: int, flag: str = "--port") -> None:
         except OSError as exc:
             fix = {
                 errno.EADDRINUSE: f"pick another {flag}"
+                + (", or --port=0 for a free one" if flag == "--port" else ""),
+                errno.EACCES: f"ports below 1024 need root: pick another {flag}"
                 + (", or --port=0" if flag == "--port" else ""),
-                errno.EACCES: f"ports below 1024 need root: pick another {flag}",
                 errno.EADDRNOTAVAIL: f"{host} is not an address of this node: use one of its "
                 "addresses or 0.0.0.0",
             }.get(exc.errno or 0, "check --host and --port")
