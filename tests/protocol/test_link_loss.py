@@ -188,9 +188,11 @@ def test_cut_link_is_noticed_within_seconds(tmp_path: Path) -> None:
         f"node lost after {found.lost_s:.2f} s (link timeout {DEFAULT_LINK_TIMEOUT_S:g} s)"
     )
     assert found.reason == "link timed out", found
-    assert found.error_s is not None and found.error_s <= DEFAULT_LINK_TIMEOUT_S + 1.0, found
-    # Lost as soon as TCP gives up (no reconnect grace for a timed-out link): within the 5 s
-    # the default promises, with a second of slack for a loaded machine.
+    # The connection fails and the node is lost as soon as TCP gives up (no reconnect grace
+    # for a timed-out link): within the 5 s the default promises, with a second of slack for
+    # a loaded machine (the kernel's retransmission timer can add a second to the 3 s), far
+    # below the 15 s heartbeat timeout.  The exact figures are benchmarks/link_loss.py's.
+    assert found.error_s is not None and found.error_s < 6.0, found
     assert found.lost_s < 6.0, found
 
 
