@@ -8,6 +8,7 @@ every hand-out, so no sample is handed out twice after a fail-over.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -71,7 +72,7 @@ class Datasets:
         ledger = self.ledgers.get(msg.dataset)
         if ledger is None:
             ledger = self.ledgers[msg.dataset] = Ledger(spec)
-            self._append({"dataset": msg.dataset, "spec": {**vars_of(spec)}})
+            self._append({"dataset": msg.dataset, "spec": dataclasses.asdict(spec)})
         elif ledger.spec != spec:
             raise ValueError(
                 f"dataset {msg.dataset!r} was registered with {ledger.spec}, this request has "
@@ -104,10 +105,6 @@ class Datasets:
             }
         )
         return m.ShardReply(epoch=handout.epoch, start=handout.start, end=handout.end)
-
-
-def vars_of(spec: Spec) -> dict[str, int]:
-    return {"size": spec.size, "shard_size": spec.shard_size, "epochs": spec.epochs}
 
 
 def _count(ranges: list[tuple[int, int, int]]) -> int:

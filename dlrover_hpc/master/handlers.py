@@ -57,7 +57,7 @@ class AgentHandlers:
             restart_count=job.restart_count,
             max_restarts=job.config.max_restarts,
             nodes=rows,
-            step=steps.samples[-1][1] if steps.samples else -1,
+            step=steps.step,
             step_rate=round(steps.step_rate(), 3),
         )
 

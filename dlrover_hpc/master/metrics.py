@@ -130,11 +130,10 @@ class JobCollector:
         for kind, count in sorted((report.failures if report else {}).items()):
             failures.add_metric([kind], count)
         yield failures
-        newest = self.steps.samples[-1] if self.steps.samples else None
         yield GaugeMetricFamily(
             p + "step",
             "The job's newest step (its slowest rank's)",
-            value=newest[1] if newest else 0,
+            value=max(self.steps.step, 0),
         )
         yield GaugeMetricFamily(
             p + "step_rate",

@@ -11,7 +11,6 @@ last one when the workers succeed.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from dlrover_hpc.events import EventName
 from dlrover_hpc.protocol import messages as m
@@ -72,6 +71,7 @@ class StepLog:
         (t0, s0), (t1, s1) = self.samples
         return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 >= s0 else 0.0
 
-    def status(self) -> dict[str, Any]:
-        newest = self.samples[-1] if self.samples else None
-        return {"step": newest[1] if newest else None, "step_rate": self.step_rate()}
+    @property
+    def step(self) -> int:
+        """The newest step written (-1: none yet)."""
+        return self.samples[-1][1] if self.samples else -1
