@@ -167,6 +167,10 @@ class MasterConfig:
     #: ``--hang-timeout`` (0: take the agents'); :data:`DEFAULT_HANG_TIMEOUT_S` when none says
     hang_timeout_s: float = 0.0
     metrics_port: int = 0  # Prometheus metrics on http://HOST:PORT/metrics; 0: off
+    #: time limits and preemption: new runs of the job (requeue or resubmission); 0: none
+    max_continuations: int = 5
+    #: seconds before the time limit at which the master stops the job on its own (0: never)
+    stop_lead_s: float = 90.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -191,6 +195,12 @@ class MasterConfig:
             )
         check_link_timeout(self.link_timeout_s)
         check_seconds("--hang-timeout", self.hang_timeout_s, DEFAULT_HANG_TIMEOUT_S)
+        if self.max_continuations < 0:
+            raise ConfigError(
+                f"--max-continuations={self.max_continuations}: must be 0 (never continue) or more"
+            )
+        if self.stop_lead_s < 0:
+            raise ConfigError(f"--stop-lead={self.stop_lead_s:g}: must be 0 (off) or more seconds")
 
 
 def _check_std_streams(flag: str, value: str) -> None:

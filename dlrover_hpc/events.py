@@ -33,9 +33,14 @@ class EventName(StrEnum):
     REPLACEMENT_REQUESTED = "replacement_requested"
     REPLACEMENT_FAILED = "replacement_failed"
     JOB_REQUEUED = "job_requeued"
+    # Time limits and preemption (master): the step saved at the signal, and the next job.
+    JOB_PREEMPTED = "job_preempted"
+    TIME_LIMIT_REACHED = "time_limit_reached"
+    JOB_CONTINUED = "job_continued"
     # Checkpoints (training processes and the agents' savers).
     CHECKPOINT_SAVED = "checkpoint_saved"
     CHECKPOINT_SAVE_FAILED = "checkpoint_save_failed"
     CHECKPOINT_PERSISTED = "checkpoint_persisted"
     CHECKPOINT_PERSIST_FAILED = "checkpoint_persist_failed"
     CHECKPOINT_RESTORED = "checkpoint_restored"
+    CHECKPOINT_REPLICATED = "checkpoint_replicated"  # a node's part copied to peers' memory

@@ -18,15 +18,15 @@ from dlrover_hpc.agent.diagnose import Diagnoser
 from dlrover_hpc.agent.master_link import MasterLink
 from dlrover_hpc.agent.node_lock import hold_node_lock
 from dlrover_hpc.agent.probe import run_probe
+from dlrover_hpc.agent.reports import report_failure
 from dlrover_hpc.agent.saver_link import start_saver
 from dlrover_hpc.agent.worker_hooks import FORWARD_TIMING_ENV
 from dlrover_hpc.agent.workers import WorkerFailure, WorkerGroup
 from dlrover_hpc.agent.zygote import Zygote
 from dlrover_hpc.checkpoint.saver.host import SaverHost
 from dlrover_hpc.config import RunConfig
-from dlrover_hpc.diagnosis.classify import Diagnosis
 from dlrover_hpc.master.thread import MasterThread
-from dlrover_hpc.progress import PATH_ENV
+from dlrover_hpc.progress import PATH_ENV, StopNotice
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
 from dlrover_hpc.slurm.env import parse_slurm_env
@@ -253,9 +253,12 @@ class Agent:
         if outcome is Outcome.SUCCEEDED:
             self.workers.stop()
             final = await asyncio.to_thread(self.watchdog.poll)  # each rank's last step
+            stopped = self.watchdog.stopped()
             self.watchdog.stop_round()
             await self.link.request(
-                m.WorkersSucceeded(agent_id=self.agent_id, round=a.round, progress=final),
+                m.WorkersSucceeded(
+                    agent_id=self.agent_id, round=a.round, progress=final, stopped=stopped
+                ),
                 m.Ack,
                 timeout_s=30,
             )
@@ -275,8 +278,14 @@ class Agent:
                 first.signal,
                 kind,
             )
-            await self._report_failure(
-                a, first.local_rank, diagnosis, exit_code=first.exit_code, signal=first.signal
+            await report_failure(
+                self.link,
+                self.agent_id,
+                a,
+                first.local_rank,
+                diagnosis,
+                exit_code=first.exit_code,
+                signal=first.signal,
             )
         await self._stop_workers()
         return outcome
@@ -289,32 +298,7 @@ class Agent:
             return
         local_rank, diagnosis = found
         log.warning("hardware fault in the log of local_rank=%d: %s", local_rank, diagnosis.reason)
-        await self._report_failure(a, local_rank, diagnosis, exit_code=None, signal=None)
-
-    async def _report_failure(
-        self,
-        a: m.Assignment,
-        local_rank: int,
-        diagnosis: Diagnosis,
-        *,
-        exit_code: int | None,
-        signal: str | None,
-    ) -> None:
-        assert self.link is not None
-        await self.link.request(
-            m.WorkerFailed(
-                agent_id=self.agent_id,
-                round=a.round,
-                local_rank=local_rank,
-                rank=a.rank_offset + local_rank,
-                exit_code=exit_code,
-                signal=signal,
-                classification=diagnosis.kind.value,
-                reason=f"{diagnosis.reason} [{'; '.join(diagnosis.evidence)[:600]}]",
-            ),
-            m.Ack,
-            timeout_s=30,
-        )
+        await report_failure(self.link, self.agent_id, a, local_rank, diagnosis)
 
     async def _monitor(self) -> tuple[Outcome, list[WorkerFailure]]:
         interval = self.config.monitor_interval_s
@@ -356,6 +340,9 @@ class Agent:
             if isinstance(msg, m.RoundChanged) and msg.round > self.round:
                 log.info("master opened round=%d reason=%s", msg.round, msg.reason)
                 self._round_changed.set()
+            elif isinstance(msg, m.StopAt):
+                log.warning("stop at step=%d: %s", msg.step, msg.reason)
+                self.watchdog.request_stop(StopNotice(msg.step, msg.deadline))
             elif isinstance(msg, m.DumpStacks):
                 answer = self.watchdog.answer(self.link, self.agent_id, self.node, msg.request_id)
                 task = asyncio.create_task(answer)

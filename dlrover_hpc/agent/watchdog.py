@@ -170,6 +170,19 @@ class Watchdog:
             lr: _Rank(rank, pid, path, changed_at=now) for lr, (rank, pid, path) in ranks.items()
         }
 
+    def request_stop(self, notice: progress.StopNotice) -> None:
+        """Tells every worker of the round to persist its first save at or after the step
+        and exit (time limit, preemption): a write into each progress record."""
+        for r in self._ranks.values():
+            try:
+                progress.request_stop(r.path, notice)
+            except OSError as exc:
+                log.warning("stop notice not written rank=%d error=%s", r.rank, exc)
+
+    def stopped(self) -> bool:
+        """Whether a worker ended for the stop notice (not because training was over)."""
+        return any(progress.stopped_at(r.path) is not None for r in self._ranks.values())
+
     def stop_round(self) -> None:
         for r in self._ranks.values():
             for path in (r.path, stack_file(r.path)):

@@ -131,6 +131,20 @@ def register_master(sub: argparse._SubParsersAction) -> None:
         default=(env_default("requeue", "1") or "1") not in ("0", "false", "no"),
         help="under Slurm, requeue the job when it stays below MIN nodes (default on)",
     )
+    p.add_argument(
+        "--max-continuations",
+        type=int,
+        default=env_default("max_continuations", "5") or "5",
+        help="at a time limit or preemption, save and continue the job in a new run "
+        "(requeue, else resubmission) at most this many times (default 5; 0: never)",
+    )
+    p.add_argument(
+        "--stop-lead",
+        type=float,
+        default=env_default("stop_lead", "90") or "90",
+        help="seconds before the time limit at which the job saves and stops on its own, "
+        "when no --signal came first (default 90; 0: off)",
+    )
     p.set_defaults(func=_master)
 
 
@@ -161,6 +175,8 @@ def master_config(args: argparse.Namespace) -> MasterConfig:
         requeue=args.requeue,
         hang_timeout_s=args.hang_timeout,
         metrics_port=args.metrics_port,
+        max_continuations=args.max_continuations,
+        stop_lead_s=args.stop_lead,
     )
 
 
@@ -200,7 +216,7 @@ def _master(args: argparse.Namespace) -> int:
     check_listen(config.host, config.port)
     if config.metrics_port:
         check_listen(config.host, config.metrics_port, flag="--metrics-port")
-    from dlrover_hpc.master.server import run_master
+    from dlrover_hpc.master.thread import run_master
 
     return run_master(config)
 
@@ -340,26 +356,3 @@ def _stacks(args: argparse.Namespace) -> int:
     from dlrover_hpc.master.status import print_stacks
 
     return print_stacks(master=args.master, job_dir=args.job_dir)
-
-
-def register_batch_size(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "batch-size",
-        help="change the micro batch size of a running job's ElasticDataLoader",
-        description="Rewrite the job directory's paral_config.json (DLRover's parallelism "
-        "config, which dlrover-run points the workers at): each ElasticDataLoader applies the "
-        "new batch size after its next optimizer step; ElasticTrainer keeps the global batch.",
-    )
-    p.add_argument("batch_size", type=int, help="samples per micro-batch and rank")
-    p.add_argument("--job-dir", default=env_default("job_dir", None), help="job directory")
-    p.set_defaults(func=_batch_size)
-
-
-def _batch_size(args: argparse.Namespace) -> int:
-    from dlrover_hpc.jobdir import write_batch_size
-    from dlrover_hpc.master.status import find_job_dir
-
-    job_dir = find_job_dir(args.job_dir)
-    version = write_batch_size(job_dir, args.batch_size)
-    print(f"batch size {args.batch_size} (config version {version}) in {job_dir}")
-    return 0

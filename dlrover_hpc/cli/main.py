@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from dlrover_hpc.cli import commands, launch, local_slurm, topology
+from dlrover_hpc.cli import commands, control, launch, local_slurm, topology
 from dlrover_hpc.cli.logsetup import exit_code_of, setup_logging
 from dlrover_hpc.cli.parser import Parser
 
@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands.register_status(sub)
     commands.register_stacks(sub)
     commands.register_report(sub)
-    commands.register_batch_size(sub)
+    control.register_batch_size(sub)
+    control.register_stop(sub)
     local_slurm.register(sub)
     return parser
 

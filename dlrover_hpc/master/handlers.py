@@ -84,6 +84,7 @@ class AgentHandlers:
             last_seen=now,
             launch_argv=tuple(msg.launch_argv),
             launch_cwd=msg.launch_cwd,
+            replica_port=msg.replica_port,
         )
         self.job.nodes[agent_id] = rec
         self.job.relaunches.joined(msg.node)
@@ -133,7 +134,7 @@ class AgentHandlers:
         journal: still training that round, it is adopted as it is (no restart)."""
         job = self.job
         rec.last_seen, rec.disconnected_at = job.clock(), None
-        rec.addr, rec.nproc = msg.addr, msg.nproc
+        rec.addr, rec.nproc, rec.replica_port = msg.addr, msg.nproc, msg.replica_port
         if job.recovery is not None:
             job.recovery.report(msg.master_lost_at)
         in_round = msg.round == rec.round
@@ -268,7 +269,7 @@ class AgentHandlers:
         rec = self._record_of(msg.agent_id)
         if msg.round == self.job.round and rec.state in (NodeState.ACTIVE, NodeState.DONE):
             self._progress(rec, msg.progress, final=True)
-            rec.state = NodeState.DONE
+            rec.state, rec.stopped = NodeState.DONE, msg.stopped
             log.info("workers succeeded node=%s rank=%d", rec.node, rec.rank)
             self.job.apply(d.workers_succeeded(self.job.phase, self.job.participants()))
         return m.Ack()
@@ -277,6 +278,8 @@ class AgentHandlers:
         commit = self.job.commits.part_durable(
             step=msg.step, ranks=msg.ranks, world_size=msg.world_size, path=msg.path
         )
+        if commit:
+            self.job.last_committed = max(self.job.last_committed, msg.step)
         if commit and self.hangs is not None:
             self.hangs.committed()  # a straggler's node may go now
         return m.CheckpointCommit(commit=commit)

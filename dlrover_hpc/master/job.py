@@ -97,6 +97,8 @@ class Job:
         self.recovery: resume.Recovery | None = None  # a restarted master's unsettled members
         self.finished = asyncio.Event()
         self._stop_signal = ""
+        self.stopping = ""  # a graceful stop's kind and reason (time limit, preemption)
+        self.last_committed = -1  # the newest checkpoint step committed in this process
         self.netcheck = NetcheckGate(
             new_store=stores.new_store,
             store_host=store_host,
@@ -268,6 +270,8 @@ class Job:
         if self.ended:
             return
         self._enter(ended_phase(exit_code))
+        if self.stopping and not reason.startswith(self.stopping):
+            reason = f"{self.stopping}; {reason}"
         self.exit_code, self.finish_reason = exit_code, reason
         log.info("job finished exit_code=%d reason=%s", exit_code, reason)
         self._record(finished=True, exit_code=exit_code)

@@ -34,6 +34,8 @@ class NodeRecord:
     pending: m.Assignment | None = None  # a task for its next WaitRound (network check)
     launch_argv: tuple[str, ...] = ()  # how to start this node's agent again (Join)
     launch_cwd: str = ""
+    replica_port: int = 0  # its checkpoint replica server (Join), 0: none
+    stopped: bool = False  # its workers ended for a stop notice (WorkersSucceeded)
     #: a member of the running round restored from the journal, not yet heard from
     resumed: bool = False
 
@@ -67,8 +69,10 @@ def round_assignments(
     max_restarts: int,
     run_id: str,
 ) -> list[m.Assignment]:
-    """Each ranked node's part of a new round: node rank, world size, its first global rank."""
+    """Each ranked node's part of a new round: node rank, world size, its first global rank,
+    and where every node's checkpoint replicas go."""
     world = sum(n.nproc for n in ranked)
+    peers = [f"{n.addr}:{n.replica_port}" if n.replica_port else "" for n in ranked]
     out: list[m.Assignment] = []
     offset = 0
     for rank, rec in enumerate(ranked):
@@ -85,6 +89,7 @@ def round_assignments(
                 restart_count=restart_count,
                 max_restarts=max_restarts,
                 run_id=run_id,
+                replica_peers=peers,
             )
         )
         offset += rec.nproc

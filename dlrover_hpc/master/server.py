@@ -9,7 +9,6 @@ import errno
 import json
 import logging
 import os
-import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -18,8 +17,8 @@ from typing import Any
 
 from dlrover_hpc.config import MasterConfig
 from dlrover_hpc.errors import ProtocolError
-from dlrover_hpc.jobdir import make_job_dir
-from dlrover_hpc.master import failover, metrics
+from dlrover_hpc.master import failover, metrics, stopping
+from dlrover_hpc.master.continuation import Continuer, StopKind
 from dlrover_hpc.master.datasets import Datasets
 from dlrover_hpc.master.decisions import Relaunch
 from dlrover_hpc.master.handlers import AgentHandlers
@@ -30,7 +29,6 @@ from dlrover_hpc.master.policy import NodeRemover
 from dlrover_hpc.master.relaunch import Relauncher, SrunLauncher
 from dlrover_hpc.master.replace import Replacer
 from dlrover_hpc.master.stores import TorchStores
-from dlrover_hpc.master.token import resolve_token
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol import wire
 from dlrover_hpc.protocol.keepalive import set_link_timeout
@@ -98,6 +96,9 @@ class MasterServer:
         self.hangs = HangWatch(self.job, self.push, job_dir)
         self.datasets = Datasets(job_dir)  # dlrover_hpc.data's shards, replayed from the file
         self.agents = AgentHandlers(self.job, self.hangs)
+        self.stopper = stopping.GracefulStop(
+            self.job, self.agents.steps, self.push, lead_s=config.stop_lead_s
+        )
         self._handlers: dict[type[m.Message], Callable[[Any], Any]] = {
             m.Join: self.agents.join,
             m.WaitRound: self.agents.wait_round,
@@ -111,6 +112,7 @@ class MasterServer:
             m.NetcheckReport: self.agents.netcheck_report,
             m.StacksDumped: self.hangs.stacks_dumped,
             m.StacksRequest: self.hangs.stacks_request,
+            m.StopRequest: self._stop_request,
             m.ShardRequest: lambda msg: self.datasets.request(msg, current_round=self.job.round),
         }
 
@@ -162,6 +164,14 @@ class MasterServer:
             checkpoint_age_s=round(time.time() - committed, 1) if committed else -1.0,
         )
 
+    def _stop_request(self, msg: m.StopRequest) -> m.Ack:
+        try:
+            kind = StopKind(msg.kind) if msg.kind else None
+        except ValueError:
+            raise ValueError(f"stop kind {msg.kind!r}: expected time_limit or preempted") from None
+        self.stopper.request(kind, msg.reason or "requested")
+        return m.Ack()
+
     def _event(self, msg: m.Event) -> m.Ack:
         self.events.emit(msg.event, **msg.fields)
         return m.Ack()
@@ -207,6 +217,13 @@ class MasterServer:
                 master_addr=f"{self.advertised_host}:{self.port}",
             )
             self.relauncher = Relauncher(self.job, launcher)
+            self.stopper.continuer = Continuer(
+                job_id=os.environ["SLURM_JOB_ID"],
+                job_dir=self.job_dir,
+                events=self.events,
+                max_continuations=self.config.max_continuations,
+                script=os.environ.get("DLROVER_HPC_SBATCH_SCRIPT"),
+            )
         log.info(
             "master listening host=%s port=%d job_dir=%s",
             self.advertised_host,
@@ -310,6 +327,7 @@ class MasterServer:
             self.agents.check_capacity()
             self.agents.say_waiting()
             self.hangs.check()
+            self.stopper.check()
             self.job.poke()
 
     async def _lease(self) -> None:
@@ -333,6 +351,7 @@ class MasterServer:
         relaunches = asyncio.create_task(
             self.relauncher.run() if self.relauncher else asyncio.sleep(0)
         )
+        time_left = asyncio.create_task(stopping.watch_time_left(self.stopper))
         try:
             await self.job.run()
             relaunches.cancel()
@@ -341,10 +360,14 @@ class MasterServer:
             if self.replacer is not None:
                 await asyncio.to_thread(self.replacer.cancel_all)
             loop = asyncio.get_running_loop()
+            if self.stopper.plan is not None:  # the agents persist the newest step first
+                linger_s = max(linger_s, min(120.0, self.stopper.plan.deadline - time.time()))
             deadline = loop.time() + linger_s
             while self._writers and loop.time() < deadline:
                 await asyncio.sleep(0.1)
+            await asyncio.to_thread(self.stopper.conclude)
         finally:
+            time_left.cancel()
             live.cancel()
             lease.cancel()
             relaunches.cancel()
@@ -365,22 +388,3 @@ class MasterServer:
                 await asyncio.wait_for(self._server.wait_closed(), 5)
         for task in list(self._tasks):
             task.cancel()
-
-
-def run_master(config: MasterConfig) -> int:
-    job_dir = make_job_dir(config.job_dir)
-    token = resolve_token(job_dir, create=True)
-    try:
-        server = MasterServer(config, token=token, job_dir=job_dir)
-    except failover.MasterServing as exc:
-        log.warning("not starting: %s", exc)
-        return SUPERSEDED
-
-    async def main() -> int:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            # The handler only records the request; the job loop acts on it.
-            loop.add_signal_handler(sig, server.job.request_stop, sig.name)
-        return await server.serve()
-
-    return asyncio.run(main())

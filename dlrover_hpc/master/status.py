@@ -234,3 +234,22 @@ def print_stacks(*, master: str | None, job_dir: str | None) -> int:
     print(reply.text, end="")
     print(f"(each rank's stack: {reply.directory})")
     return 0
+
+
+async def send_stop(host: str, port: int, token: str, kind: str, reason: str) -> None:
+    client = await MasterClient.connect(host, port, token=token, timeout_s=STATUS_TIMEOUT_S)
+    try:
+        await client.request(m.StopRequest(kind=kind, reason=reason), m.Ack, timeout_s=30)
+    finally:
+        await client.close()
+
+
+def request_stop(*, master: str | None, job_dir: str | None, kind: str, reason: str) -> int:
+    """``dlrover-hpc stop``: the job saves at a step boundary, ends, and continues."""
+    info, token = find_master(master, job_dir)
+    try:
+        asyncio.run(send_stop(info.host, info.port, token, kind, reason))
+    except (OSError, TimeoutError) as exc:
+        raise unreachable(info, exc) from None
+    print(f"the job saves at its next step and ends ({kind or 'by its time left'}: {reason})")
+    return 0

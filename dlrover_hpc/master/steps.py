@@ -72,6 +72,11 @@ class StepLog:
         return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 >= s0 else 0.0
 
     @property
+    def newest(self) -> int:
+        """The furthest rank's newest step in the running round (-1: none reported)."""
+        return max((step for step, _ in self._ranks.values()), default=-1)
+
+    @property
     def step(self) -> int:
         """The newest step written (-1: none yet)."""
         return self.samples[-1][1] if self.samples else -1

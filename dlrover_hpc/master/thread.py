@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import threading
 from pathlib import Path
 
 from dlrover_hpc.config import MasterConfig
-from dlrover_hpc.master.server import MasterServer
+from dlrover_hpc.jobdir import make_job_dir
+from dlrover_hpc.master import failover, stopping
+from dlrover_hpc.master.server import SUPERSEDED, MasterServer
+from dlrover_hpc.master.token import resolve_token
 
 log = logging.getLogger(__name__)
 
@@ -55,3 +59,31 @@ class MasterThread:
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
+
+
+def run_master(config: MasterConfig) -> int:
+    job_dir = make_job_dir(config.job_dir)
+    token = resolve_token(job_dir, create=True)
+    try:
+        server = MasterServer(config, token=token, job_dir=job_dir)
+    except failover.MasterServing as exc:
+        log.warning("not starting: %s", exc)
+        return SUPERSEDED
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        # The handlers only record the request; the job loop acts on it.
+        loop.add_signal_handler(signal.SIGINT, server.job.request_stop, "SIGINT")
+        tasks: set[asyncio.Task[None]] = set()
+
+        def sigterm() -> None:  # Slurm's: a preemption or the time limit, unless cancelled
+            task = loop.create_task(stopping.on_sigterm(server.stopper))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        loop.add_signal_handler(signal.SIGTERM, sigterm)
+        # Slurm's --signal=USR1@T (without B:): save and continue before the time limit.
+        loop.add_signal_handler(signal.SIGUSR1, server.stopper.request, None, "SIGUSR1")
+        return await server.serve()
+
+    return asyncio.run(main())

@@ -63,6 +63,7 @@ class Join(Message):
     master_lost_at: float = 0.0  # wall clock when its connection to the master dropped
     hang_timeout_s: float = 0.0  # --hang-timeout (0: off)
     straggler_factor: float = 0.0  # --straggler-factor (0: off)
+    replica_port: int = 0  # its checkpoint replica server (0: none)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,6 +105,8 @@ class Assignment(Message):
     group_size: int = 0
     check_prefix: str = ""
     check_timeout_s: float = 0.0
+    #: every node's checkpoint replica server "host:port" by node rank ("" where it has none)
+    replica_peers: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -169,6 +172,7 @@ class WorkersSucceeded(Message):
     agent_id: str
     round: int
     progress: list[RankProgress] = dataclasses.field(default_factory=list)  # the final steps
+    stopped: bool = False  # they ended for a stop notice (time limit), not because training did
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -244,6 +248,27 @@ class RoundChanged(Message):
     TYPE: ClassVar[str] = "round_changed"
     round: int
     reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StopAt(Message):
+    """Push: the job ends (time limit, preemption) at the first checkpoint save at or after
+    ``step``; the workers persist it and exit, by ``deadline`` (wall clock)."""
+
+    TYPE: ClassVar[str] = "stop_at"
+    step: int
+    deadline: float
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StopRequest(Message):
+    """``dlrover-hpc stop``, or the job script on Slurm's signal: end the job at a step
+    boundary, save, and continue it in a new run (``kind``: time_limit or preempted)."""
+
+    TYPE: ClassVar[str] = "stop_request"
+    kind: str
+    reason: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

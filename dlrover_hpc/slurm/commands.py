@@ -11,7 +11,7 @@ from typing import Protocol
 
 from dlrover_hpc.errors import SlurmError
 from dlrover_hpc.slurm.hostnames import expand
-from dlrover_hpc.slurm.parse import parse_oneliner
+from dlrover_hpc.slurm.parse import parse_oneliner, parse_time_left
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,32 @@ def requeue_job(job_id: str, *, run: Runner = run_command, timeout_s: float = 30
     done = run(argv, timeout_s=timeout_s)
     if done.returncode != 0:
         raise SlurmError(f"{shlex.join(argv)} failed: {done.stderr.strip()}")
+
+
+def show_job(job_id: str, *, run: Runner = run_command, timeout_s: float = 15.0) -> dict[str, str]:
+    """``scontrol -o show job J`` as Key -> value (JobState, Requeue, TimeLimit, StdOut, ...)."""
+    done = run(["scontrol", "-o", "show", "job", job_id], timeout_s=timeout_s)
+    if done.returncode != 0:
+        raise SlurmError(f"scontrol show job {job_id} failed: {done.stderr.strip()}")
+    return parse_oneliner(done.stdout)
+
+
+def time_left(job_id: str, *, run: Runner = run_command, timeout_s: float = 15.0) -> float | None:
+    """Seconds until the job's time limit (None: no limit).  ``squeue %L`` is relative, so no
+    clock or time zone of slurmctld's enters (22.05 sets no SLURM_JOB_END_TIME)."""
+    done = run(["squeue", "-h", "-j", job_id, "-o", "%L"], timeout_s=timeout_s)
+    if done.returncode != 0:
+        raise SlurmError(f"squeue -j {job_id} -o %L failed: {done.stderr.strip()}")
+    return parse_time_left(done.stdout)
+
+
+def submit(argv: Sequence[str], *, run: Runner = run_command, timeout_s: float = 60.0) -> str:
+    """Runs ``sbatch --parsable ...``; returns the new job's id, raises with Slurm's reason."""
+    done = run(argv, timeout_s=timeout_s)
+    if done.returncode != 0:
+        reason = (done.stderr or done.stdout).strip() or f"exit code {done.returncode}"
+        raise SlurmError(f"{shlex.join(argv)} failed: {reason}")
+    return done.stdout.strip().split(";")[0]
 
 
 def node_states(

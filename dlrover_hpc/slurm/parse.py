@@ -38,3 +38,22 @@ def parse_sinfo_nodes(text: str) -> dict[str, str]:
         if len(parts) >= 2:
             out[parts[0]] = parts[1]
     return out
+
+
+def parse_time_left(text: str) -> float | None:
+    """``squeue -o %L`` (``[days-][hours:]minutes:seconds``) in seconds; None when the job has
+    no limit (``UNLIMITED``, ``NOT_SET``, ``INVALID``) or the text is not a duration."""
+    value = text.strip()
+    days = 0
+    if "-" in value:
+        head, value = value.split("-", 1)
+        if not head.isdigit():
+            return None
+        days = int(head)
+    parts = value.split(":")
+    if not 2 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        return None
+    seconds = 0
+    for part in parts:
+        seconds = seconds * 60 + int(part)
+    return float(days * 86400 + seconds)

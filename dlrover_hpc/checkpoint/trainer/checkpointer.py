@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from dlrover_hpc import progress
-from dlrover_hpc.checkpoint.api import EventSink, PartKind
+from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
 from dlrover_hpc.checkpoint.env import WorkerEnv
 from dlrover_hpc.checkpoint.saver.commit_records import CommitRecord
 from dlrover_hpc.checkpoint.trainer.engine import Engine
@@ -78,6 +78,7 @@ class CheckpointerBase:
         )
         #: (step, "memory" | "peer" | "storage") of the last successful load_checkpoint()
         self.last_restored: tuple[int, str] | None = None
+        self._stopping: tuple[int, float] | None = None  # (step, deadline) of a stop save
 
     @property
     def engine(self) -> Engine:
@@ -92,6 +93,32 @@ class CheckpointerBase:
             error,
         )
         self._engine.emit(EventName.CHECKPOINT_SAVE_FAILED, step=step, error=str(error))
+
+    def _stop_storage(self, step: int, storage_type: StorageType) -> StorageType:
+        """DISK when the job ends at this save (a time limit or preemption asked every rank
+        to keep its first save at or after a step: `progress.stop_requested`)."""
+        notice = progress.stop_requested()
+        if notice is None or step < notice.step or not self._engine.writes_memory:
+            return storage_type
+        self._stopping = (step, notice.deadline)
+        logger.warning("checkpoint stop_save step=%d: persisted, then this rank exits", step)
+        return StorageType.DISK
+
+    def _stop_if_asked(self, step: int, saved: bool) -> bool:
+        """After the save `_stop_storage` made DISK: wait until it is committed (or the
+        deadline), then end the process (exit code 0; the agent knows why)."""
+        if self._stopping is None or self._stopping[0] != step:
+            return saved
+        deadline = self._stopping[1]
+        self._stopping = None
+        committed = saved and self.wait_latest_checkpoint(max(1.0, deadline - time.time()))
+        logger.warning(
+            "checkpoint stop step=%d committed=%s: the job continues from it in its next run",
+            step,
+            committed,
+        )
+        progress.mark_stopped(step)
+        raise SystemExit(0)
 
     def wait_latest_checkpoint(self, timeout_s: float = 1800.0) -> bool:
         """Until the newest DISK save is committed on storage; False on timeout or failure."""

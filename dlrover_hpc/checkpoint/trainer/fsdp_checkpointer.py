@@ -81,6 +81,7 @@ class FsdpShardCheckpointer(CheckpointerBase):
         t0 = time.perf_counter()
         engine = self._engine
         path = path or posixpath.join(self.checkpoint_dir, str(step))
+        storage_type = self._stop_storage(step, storage_type)
         writer = ShmStorageWriter(
             acquire=self._acquire,
             copy=engine.copier.copy,
@@ -96,9 +97,10 @@ class FsdpShardCheckpointer(CheckpointerBase):
                 writer.result.segment.invalidate()
                 writer.result.segment.unlock()
             self._save_failed(step, exc)
-            return False
+            return self._stop_if_asked(step, False)
         blocking = time.perf_counter() - t0
-        return engine.after_write(seg, step=step, storage_type=storage_type, blocking_s=blocking)
+        saved = engine.after_write(seg, step=step, storage_type=storage_type, blocking_s=blocking)
+        return self._stop_if_asked(step, saved)
 
     def _acquire(self, image_len: int, meta_len: int, device: torch.device | None) -> Segment:
         seg, _ = self._engine.acquire(image_len, meta_len, device)

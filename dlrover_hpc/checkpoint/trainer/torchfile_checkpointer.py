@@ -110,15 +110,17 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
         t0 = time.perf_counter()
         engine = self._engine
         path = path or self._default_path(step)
+        storage_type = self._stop_storage(step, storage_type)
         if not engine.writes_memory:
             if storage_type == StorageType.DISK:
                 engine.last_disk_step = step
             return True
         try:
-            return self._save(step, state_dict, path, storage_type, t0)
+            saved = self._save(step, state_dict, path, storage_type, t0)
         except CheckpointError as exc:
             self._save_failed(step, exc)
-            return False
+            saved = False
+        return self._stop_if_asked(step, saved)
 
     def _save(self, step: int, state: Any, path: str, storage_type: StorageType, t0: float) -> bool:
         engine = self._engine

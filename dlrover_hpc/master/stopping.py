@@ -1,0 +1,161 @@
+"""The master's side of a graceful end (time limit, preemption): see :mod:`continuation`.
+
+:class:`GracefulStop` turns a request (Slurm's signal through ``dlrover-hpc stop``, SIGTERM,
+or the time limit drawing near) into a :class:`StopPlan`, tells the agents where to stop,
+ends the job at the deadline if the workers have not ended it first, and, once the job is
+over, reports the step it kept and starts the next run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from dlrover_hpc.master.continuation import Continuer, StopKind, StopPlan, stop_kind, stop_step
+from dlrover_hpc.master.job import Job
+from dlrover_hpc.master.nodes import NodeState
+from dlrover_hpc.master.phases import Phase
+from dlrover_hpc.master.steps import StepLog
+from dlrover_hpc.protocol import messages as m
+
+log = logging.getLogger(__name__)
+
+#: seconds before the deadline that a stop requested by signal leaves to Slurm's kill
+KILL_MARGIN_S = 10.0
+#: seconds the agents get, after a SIGTERM, before Slurm's SIGKILL (KillWait, default 30)
+SIGTERM_GRACE_S = 20.0
+
+
+class GracefulStop:
+    def __init__(
+        self,
+        job: Job,
+        steps: StepLog,
+        push: Callable[[str, m.Message], None],
+        *,
+        lead_s: float,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.job, self.steps, self.lead_s, self._wall = job, steps, lead_s, wall
+        self._push = push
+        self.continuer: Continuer | None = None  # set under Slurm
+        self.plan: StopPlan | None = None
+        self.time_left_s: float | None = None  # at the last check of the time limit
+        self._checked_at = 0.0
+        self.kept_step = -1  # the newest committed step when the job ended
+        self.forced = False  # the job ended by the deadline (or no round ran), not by a save
+        self.next_job: str | None = None
+
+    @property
+    def can_continue(self) -> bool:
+        return self.continuer is not None
+
+    def request(
+        self, kind: StopKind | None, reason: str, *, within_s: float | None = None
+    ) -> StopPlan | None:
+        """Stop the job at a step boundary by ``within_s`` from now (default: the time left
+        before the limit, less a margin, or 60 s); ``kind`` None: decided by the time left."""
+        if self.plan is not None or self.job.ended:
+            return self.plan
+        now = self._wall()
+        left = self._left_now(now)
+        kind = kind or stop_kind(left, self.lead_s)
+        if within_s is None:
+            within_s = left - KILL_MARGIN_S if left is not None else 60.0
+        deadline = now + max(5.0, within_s)
+        running = self.job.phase is Phase.RUNNING and self.job.participants()
+        step = -1
+        if running:
+            notice_s = 2 * self.job.config.heartbeat_interval_s + 1.0
+            step = stop_step(self.steps.newest, self.steps.step_rate(), notice_s)
+        self.plan = StopPlan(kind=kind, reason=reason, step=step, deadline=deadline)
+        self.job.stopping = f"{kind.value}: {reason}"
+        log.warning(
+            "graceful stop kind=%s reason=%s stop_step=%d deadline_in_s=%.1f",
+            kind,
+            reason,
+            step,
+            deadline - now,
+        )
+        if step < 0:  # no round trains: nothing newer than the committed step to keep
+            self.forced = True
+            self.job.finish(0, f"{self.job.stopping}; no round was running")
+            return self.plan
+        notice = m.StopAt(step=step, deadline=deadline, reason=f"{kind.value}: {reason}")
+        for rec in self.job.participants():
+            if rec.state is NodeState.ACTIVE:
+                self._push(rec.agent_id, notice)
+        return self.plan
+
+    def _left_now(self, now: float) -> float | None:
+        if self.time_left_s is None:
+            return None
+        return self.time_left_s - (now - self._checked_at)
+
+    def time_checked(self, left_s: float | None) -> None:
+        """The time left before the limit, as Slurm said it just now (a worker thread asks)."""
+        self.time_left_s, self._checked_at = left_s, self._wall()
+
+    def check(self) -> None:
+        """On the master's timer: the time limit drawing near, and the deadline of a stop."""
+        if self.job.ended:
+            return
+        now = self._wall()
+        if self.plan is None:
+            left = self._left_now(now)
+            if self.lead_s > 0 and left is not None and left <= self.lead_s:
+                self.request(StopKind.TIME_LIMIT, f"{left:.0f} s left before the time limit")
+            return
+        if now >= self.plan.deadline:
+            log.warning("graceful stop deadline reached: the agents keep the newest step")
+            self.forced = True
+            self.job.finish(0, f"{self.job.stopping}; deadline reached before a save")
+
+    def conclude(self) -> str | None:
+        """After the job ended (and its agents persisted): the event with the kept step, and
+        the next run; returns the next run's job id.  Runs Slurm commands: a worker thread."""
+        plan = self.plan
+        if plan is None:
+            return None
+        if not self.forced and not any(n.stopped for n in self.job.participants()):
+            log.info("graceful stop: training ended before the stop step; nothing to continue")
+            return None
+        self.kept_step = self.job.last_committed
+        self.job.emit(
+            plan.kind.event,
+            step=self.kept_step,
+            stop_step=plan.step,
+            reason=plan.reason,
+        )
+        if self.continuer is not None:
+            self.next_job = self.continuer.continue_job(plan, self.kept_step)
+        return self.next_job
+
+
+#: seconds between two questions to Slurm about the time left (a limit may be changed)
+TIME_LEFT_EVERY_S = 60.0
+
+
+async def watch_time_left(stopper: GracefulStop) -> None:
+    """Asks Slurm for the time left now and then; :meth:`GracefulStop.check` acts on it."""
+    continuer = stopper.continuer
+    if continuer is None or stopper.lead_s <= 0:
+        return
+    while not stopper.job.ended:
+        try:
+            stopper.time_checked(await asyncio.to_thread(continuer.time_left))
+        except Exception as exc:  # Slurm busy: ask again later
+            log.warning("time left unknown error=%s", exc)
+        await asyncio.sleep(TIME_LEFT_EVERY_S)
+
+
+async def on_sigterm(stopper: GracefulStop) -> None:
+    """Slurm's SIGTERM: a preemption (or the time limit) is ending the job in KillWait
+    seconds: keep the newest step and continue, unless the user cancelled the job."""
+    continuer = stopper.continuer
+    if continuer is None or await asyncio.to_thread(continuer.cancelled):
+        stopper.job.request_stop("SIGTERM")
+        return
+    stopper.request(None, "SIGTERM from Slurm", within_s=SIGTERM_GRACE_S)
