@@ -51,6 +51,7 @@ class Observer:
         self._offset = 0
         self._partial = b""
         self._warned = False
+        self._round_step = -1  # newest step saved or restored since the last rendezvous
 
     def _catch_up(self) -> None:
         try:
@@ -65,10 +66,25 @@ class Observer:
             try:
                 record = json.loads(line)
                 self.analysis.add(record)
+                self._track_step(record)
             except (ValueError, KeyError, TypeError) as exc:
                 if not self._warned:  # a damaged line: skip it, say so once
                     log.warning("goodput: skipped a bad line of %s (%s)", self.path, exc)
                     self._warned = True
+
+    def _track_step(self, record: dict[str, object]) -> None:
+        event, step = record.get("event"), record.get("step")
+        if event == "rendezvous_complete":
+            self._round_step = -1
+        elif event in ("checkpoint_saved", "checkpoint_restored") and isinstance(step, int):
+            self._round_step = max(self._round_step, step)
+
+    def round_step(self) -> int:
+        """The newest step a rank saved or restored in the running round (-1: none yet):
+        a rank's own word, fresher than the heartbeats' progress."""
+        with self._lock:
+            self._catch_up()
+            return self._round_step
 
     def report(self) -> Report | None:
         """Goodput so far (no lanes); None before the job started."""

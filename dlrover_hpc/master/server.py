@@ -97,7 +97,11 @@ class MasterServer:
         self.datasets = Datasets(job_dir)  # dlrover_hpc.data's shards, replayed from the file
         self.agents = AgentHandlers(self.job, self.hangs)
         self.stopper = stopping.GracefulStop(
-            self.job, self.agents.steps, self.push, lead_s=config.stop_lead_s
+            self.job,
+            self.agents.steps,
+            self.push,
+            lead_s=config.stop_lead_s,
+            rank_step=self.observer.round_step,
         )
         self._handlers: dict[type[m.Message], Callable[[Any], Any]] = {
             m.Join: self.agents.join,

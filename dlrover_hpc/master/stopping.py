@@ -9,6 +9,7 @@ over, reports the step it kept and starts the next run.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 KILL_MARGIN_S = 10.0
 #: seconds the agents get, after a SIGTERM, before Slurm's SIGKILL (KillWait, default 30)
 SIGTERM_GRACE_S = 20.0
+#: seconds a stop waits for a new round's first save or restore (its steps are unknown before)
+FRESH_ROUND_WAIT_S = 20.0
 
 
 class GracefulStop:
@@ -36,16 +39,21 @@ class GracefulStop:
         push: Callable[[str, m.Message], None],
         *,
         lead_s: float,
+        rank_step: Callable[[], int] = lambda: -1,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.job, self.steps, self.lead_s, self._wall = job, steps, lead_s, wall
         self._push = push
+        self._rank_step = rank_step
         self.continuer: Continuer | None = None  # set under Slurm
         self.plan: StopPlan | None = None
         self.time_left_s: float | None = None  # at the last check of the time limit
         self._checked_at = 0.0
         self.kept_step = -1  # the newest committed step when the job ended
         self.forced = False  # the job ended by the deadline (or no round ran), not by a save
+        self._requested_at = 0.0
+        self.sent = False  # the agents have the stop step
+        self._sent_round = 0
         self.next_job: str | None = None
 
     @property
@@ -65,29 +73,37 @@ class GracefulStop:
         if within_s is None:
             within_s = left - KILL_MARGIN_S if left is not None else 60.0
         deadline = now + max(5.0, within_s)
-        running = self.job.phase is Phase.RUNNING and self.job.participants()
-        step = -1
-        if running:
-            notice_s = 2 * self.job.config.heartbeat_interval_s + 1.0
-            step = stop_step(self.steps.newest, self.steps.step_rate(), notice_s)
-        self.plan = StopPlan(kind=kind, reason=reason, step=step, deadline=deadline)
+        self.plan = StopPlan(kind=kind, reason=reason, step=-1, deadline=deadline)
+        self._requested_at = now
         self.job.stopping = f"{kind.value}: {reason}"
         log.warning(
-            "graceful stop kind=%s reason=%s stop_step=%d deadline_in_s=%.1f",
-            kind,
-            reason,
-            step,
-            deadline - now,
+            "graceful stop kind=%s reason=%s deadline_in_s=%.1f", kind, reason, deadline - now
         )
-        if step < 0:  # no round trains: nothing newer than the committed step to keep
+        if not (self.job.phase is Phase.RUNNING and self.job.participants()):
+            # No round trains: nothing newer than the committed step to keep.
             self.forced = True
             self.job.finish(0, f"{self.job.stopping}; no round was running")
             return self.plan
-        notice = m.StopAt(step=step, deadline=deadline, reason=f"{kind.value}: {reason}")
+        self._send_when_known()
+        return self.plan
+
+    def _send_when_known(self) -> None:
+        """Sends the stop step once the round's steps are known: a round that has not saved
+        or restored yet may be restoring a step far past what its ranks reported (0)."""
+        assert self.plan is not None
+        seen = self._rank_step()
+        waited = self._wall() - self._requested_at
+        if seen < 0 and self.steps.newest <= 0 and waited < FRESH_ROUND_WAIT_S:
+            return  # check() comes back
+        notice_s = 2 * self.job.config.heartbeat_interval_s + 1.0
+        step = stop_step(max(self.steps.newest, seen), self.steps.step_rate(), notice_s)
+        self.plan = dataclasses.replace(self.plan, step=step)
+        self.sent, self._sent_round = True, self.job.round
+        log.warning("graceful stop at step=%d round=%d", step, self.job.round)
+        notice = m.StopAt(step=step, deadline=self.plan.deadline, reason=self.job.stopping)
         for rec in self.job.participants():
             if rec.state is NodeState.ACTIVE:
                 self._push(rec.agent_id, notice)
-        return self.plan
 
     def _left_now(self, now: float) -> float | None:
         if self.time_left_s is None:
@@ -108,6 +124,10 @@ class GracefulStop:
             if self.lead_s > 0 and left is not None and left <= self.lead_s:
                 self.request(StopKind.TIME_LIMIT, f"{left:.0f} s left before the time limit")
             return
+        if self.sent and self._sent_round != self.job.round and self.job.phase is Phase.RUNNING:
+            self.sent, self._requested_at = False, now  # a new round: new workers, tell them
+        if not self.sent and self.job.phase is Phase.RUNNING:
+            self._send_when_known()
         if now >= self.plan.deadline:
             log.warning("graceful stop deadline reached: the agents keep the newest step")
             self.forced = True
