@@ -5,7 +5,9 @@ saver; a one-line warning says so) or under `dlrover-run` (the agent's saver per
 after a worker crash).  It saves to memory every --save-every steps and to disk every
 --persist-every steps, and resumes from the newest consistent checkpoint after a restart.
 With --fail-at-step N --fail-rank R the rank SIGKILLs itself once (a marker file in the
-checkpoint directory remembers it) to demonstrate recovery.
+checkpoint directory remembers it) to demonstrate recovery.  With --sharded every rank saves
+a state of its own (RankCheckpointer; a rank-specific tensor proves each rank got its own
+part back), and --replicas N copies each node's parts to N peer nodes' memory.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dlrover_hpc.checkpoint import DdpCheckpointer, StorageType
+from dlrover_hpc.checkpoint import DdpCheckpointer, RankCheckpointer, StorageType
 
 
 def main() -> None:
@@ -35,6 +37,14 @@ def main() -> None:
     p.add_argument("--fail-at-step", type=int, default=-1)
     p.add_argument("--fail-rank", type=int, default=0)
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
+    p.add_argument("--sharded", action="store_true", help="each rank saves its own state")
+    p.add_argument("--replicas", type=int, default=0, help="peer nodes holding each part")
+    p.add_argument(
+        "--stall-at-step",
+        type=int,
+        default=-1,
+        help="--fail-rank sleeps (a stuck node) after saving this step, once",
+    )
     p.add_argument("--result", default=None, help="rank 0 writes a JSON summary here")
     p.add_argument("--timing-log", default=None, help="rank 0 appends 'time step' per step")
     p.add_argument(
@@ -63,15 +73,20 @@ def main() -> None:
     net = DDP(model, device_ids=[device] if device is not None else None) if grouped else model
     opt = torch.optim.Adam(net.parameters(), lr=0.01)
 
-    ckpt = DdpCheckpointer(args.ckpt_dir, keep_last=args.keep_last)
-    state = ckpt.load_checkpoint(
-        state_dict={"model": model.state_dict(), "optimizer": opt.state_dict()}
-    )
+    kind = RankCheckpointer if args.sharded else DdpCheckpointer
+    ckpt = kind(args.ckpt_dir, keep_last=args.keep_last, replica_count=args.replicas)
+    template = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    if args.sharded:
+        template["rank_data"] = torch.zeros(4096)
+    state = ckpt.load_checkpoint(state_dict=template)
     start = 0
     if state:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start = int(state["step"])
+        if args.sharded:  # this rank's own part, of that step
+            mine = state["rank_data"]
+            assert bool((mine == rank * 100000 + start).all()), f"rank {rank}: not its part"
     restored = ckpt.last_restored
 
     gen = torch.Generator().manual_seed(1234 + rank)
@@ -86,14 +101,21 @@ def main() -> None:
             time.sleep(args.step_time)
         if step % args.save_every == 0:
             disk = step % args.persist_every == 0 or step == args.steps
+            saved = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
+            if args.sharded:
+                saved["rank_data"] = torch.full((4096,), float(rank * 100000 + step))
             ckpt.save_checkpoint(
-                step,
-                {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
-                storage_type=StorageType.DISK if disk else StorageType.MEMORY,
+                step, saved, storage_type=StorageType.DISK if disk else StorageType.MEMORY
             )
         if rank == 0 and args.timing_log:
             with open(args.timing_log, "a") as f:
                 f.write(f"{time.time()} {step}\n")
+        stalled = os.path.join(args.ckpt_dir, f".stalled-once-{args.fail_rank}")
+        if step == args.stall_at_step and rank == args.fail_rank and not os.path.exists(stalled):
+            os.makedirs(args.ckpt_dir, exist_ok=True)
+            with open(stalled, "w") as f:
+                f.write(str(step))
+            time.sleep(3600)  # a stuck node: the test kills it
         marker = os.path.join(args.ckpt_dir, f".failed-once-{args.fail_rank}")
         if step == args.fail_at_step and rank == args.fail_rank and not os.path.exists(marker):
             os.makedirs(args.ckpt_dir, exist_ok=True)

@@ -19,11 +19,12 @@ from dlrover_hpc.agent.master_link import MasterLink
 from dlrover_hpc.agent.node_lock import hold_node_lock
 from dlrover_hpc.agent.probe import run_probe
 from dlrover_hpc.agent.reports import report_failure
-from dlrover_hpc.agent.saver_link import start_saver
+from dlrover_hpc.agent.saver_link import start_replica_server, start_saver
 from dlrover_hpc.agent.worker_hooks import FORWARD_TIMING_ENV
 from dlrover_hpc.agent.workers import WorkerFailure, WorkerGroup
 from dlrover_hpc.agent.zygote import Zygote
 from dlrover_hpc.checkpoint.saver.host import SaverHost
+from dlrover_hpc.checkpoint.saver.replicas import ReplicaServer
 from dlrover_hpc.config import RunConfig
 from dlrover_hpc.master.thread import MasterThread
 from dlrover_hpc.progress import PATH_ENV, StopNotice
@@ -49,6 +50,7 @@ class Agent:
         self._token = token
         self.job_dir = job_dir
         self.saver: SaverHost | None = None
+        self.replica_server: ReplicaServer | None = None
         self._job_id = ""
         self._extra_env = extra_env or {}
         self.node = socket.gethostname().split(".")[0]
@@ -123,6 +125,7 @@ class Agent:
                 round=self.round,
                 round_state=self._round_state,
                 master_lost_at=self.link.lost_at if self.link else 0.0,
+                replica_port=self.replica_server.address[1] if self.replica_server else 0,
             ),
             m.JoinReply,
             timeout_s=30,
@@ -154,18 +157,26 @@ class Agent:
             self.zygote.start(env)
         self._lock_fd = hold_node_lock(self.job_dir, self.node)
         await asyncio.to_thread(wd.sweep_stale)  # progress records of a SIGKILLed agent
+        self.replica_server = replicas = start_replica_server(self._token, self.node)
         await self._open_link()
         assert self.link is not None
         beats = asyncio.create_task(self._heartbeats())
         pushes = asyncio.create_task(self._pushes())
         promote = asyncio.create_task(self._watch_master())
-        self.saver = start_saver(self.link, job_id=self._job_id, node=self.node)
+        self.saver = start_saver(
+            self.link,
+            job_id=self._job_id,
+            node=self.node,
+            token=self._token,
+            replicas=replicas,
+        )
         try:
             return await self._rounds()
         finally:
             await self._stop_workers()
             # Finish in-flight persists (they need the master), then remove the segments.
             await asyncio.to_thread(self.saver.close, True)
+            await asyncio.to_thread(replicas.close)
             beats.cancel()
             pushes.cancel()
             promote.cancel()
@@ -233,6 +244,8 @@ class Agent:
             **self._extra_env,
         }
         self.diagnoser.workers_starting()
+        if self.saver is not None:
+            self.saver.set_replica_peers(a.node_rank, a.replica_peers)
         pids = self.workers.start(a, env)
         self.watchdog.start_round(
             {lr: (a.rank_offset + lr, pid, progress_file.format(lr)) for lr, pid in pids.items()}

@@ -11,7 +11,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from dlrover_hpc.agent.master_link import MasterLink
+from dlrover_hpc.checkpoint.env import DEFAULT_SHM_DIR, current_user, segment_prefix
 from dlrover_hpc.checkpoint.saver.host import SaverHost
+from dlrover_hpc.checkpoint.saver.replica_sender import ReplicaSender
+from dlrover_hpc.checkpoint.saver.replicas import ReplicaServer
 from dlrover_hpc.events import EventName
 from dlrover_hpc.protocol import messages as m
 
@@ -56,14 +59,39 @@ def saver_socket_path(job_id: str, node: str) -> str:
     return os.path.join("/tmp", f"dlrover-hpc-{safe}.sock")[:107]
 
 
-def start_saver(client: MasterLink, *, job_id: str, node: str) -> SaverHost:
+def start_replica_server(token: str, node: str) -> ReplicaServer:
+    """Receives the parts other nodes copy here (``replica_count``); listens before the agent
+    joins, so its port goes with the join.  The job's prefix is set once the job is known."""
+    mem_mb = os.environ.get("SLURM_MEM_PER_NODE", "")
+    server = ReplicaServer(
+        shm_dir=DEFAULT_SHM_DIR,
+        prefix="",
+        token=token,
+        host="0.0.0.0",
+        mem_limit_bytes=int(mem_mb) << 20 if mem_mb.isdigit() and int(mem_mb) else None,
+        node_name=node,
+    )
+    server.start()
+    return server
+
+
+def start_saver(
+    client: MasterLink, *, job_id: str, node: str, token: str, replicas: ReplicaServer
+) -> SaverHost:
     loop = asyncio.get_running_loop()
+    events = MasterEventSink(client, loop, node)
+    prefix = segment_prefix(user=current_user(), job_id=job_id, node_name=node)
+    replicas.prefix = prefix  # nobody sends before this node's first round
+    sender = ReplicaSender(
+        shm_dir=DEFAULT_SHM_DIR, prefix=prefix, token=token, node_name=node, events=events
+    )
     host = SaverHost(
         job_id=job_id,
         node_name=node,
         socket_path=saver_socket_path(job_id, node),
         commit=MasterCommitCoordinator(client, loop),
-        events=MasterEventSink(client, loop, node),
+        events=events,
+        replicas=sender,
     )
     host.start()
     log.info("checkpoint saver listening socket=%s", host.socket_path)

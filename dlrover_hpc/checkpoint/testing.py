@@ -63,9 +63,13 @@ class NullLink:
         self.prefix = prefix
         self.shm_dir = shm_dir
         self.submitted: list[tuple[str, int]] = []
+        self.replicated: list[tuple[str, int, int]] = []
 
     def submit(self, segment_path: str, step: int) -> None:
         self.submitted.append((segment_path, step))
+
+    def replicate(self, segment_path: str, step: int, count: int) -> None:
+        self.replicated.append((segment_path, step, count))
 
     def wait_committed(
         self, ckpt_dir: str, step: int, timeout_s: float, rank: int, token: int

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from dlrover_hpc.checkpoint import LocalCommitCoordinator
 from dlrover_hpc.checkpoint.env import WorkerEnv
+from dlrover_hpc.checkpoint.testing import NullLink
 from dlrover_hpc.checkpoint.trainer.saver_connection import InProcessSaver
 from dlrover_hpc.trainer.flash_checkpoint.checkpointer import Checkpointer, StorageType
 from dlrover_hpc.trainer.flash_checkpoint.ddp import DdpCheckpointer
@@ -111,10 +112,7 @@ class _Custom(CheckpointDeletionStrategy):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (
-            {"local_shard_num": 2, "global_shard_num": 2, "replica_count": 1},
-            r"not implemented yet \(tracked in issue 17\); pass replica_count=0",
-        ),
+        ({"replica_count": True}, "must be an integer >= 0"),
         ({"local_shard_num": 2, "global_shard_num": 4}, "needs every rank to save its part"),
         ({"local_shard_num": 1, "global_shard_num": 2}, "needs every rank to save its part"),
         ({"replica_count": -1}, "must be an integer >= 0"),
@@ -131,6 +129,23 @@ def test_refusals_raise_with_the_reason(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         DdpCheckpointer(str(tmp_path), env=_env(job, world=2), **kwargs)
+
+
+def test_replica_count_reaches_the_engine_of_sharded_state_only(tmp_path: Path, job: str) -> None:
+    env = _env(job, world=2)
+    link = NullLink(env.prefix, str(tmp_path / "shm"))
+    os.makedirs(link.shm_dir)
+    sharded = DdpCheckpointer(str(tmp_path), 2, 2, replica_count=1, env=env, link=link)
+    replicated = DdpCheckpointer(str(tmp_path), replica_count=1, env=env, link=link, tag="r")
+    try:
+        assert sharded.core.engine.replicas == 1 and replicated.core.engine.replicas == 0
+        assert sharded.save_checkpoint(3, _state(3), storage_type=StorageType.MEMORY)
+        assert [(os.path.basename(p), s, n) for p, s, n in link.replicated] == [
+            (os.path.basename(sharded.core.engine.segment_path(0)), 3, 1)
+        ]
+    finally:
+        sharded.close()
+        replicated.close()
 
 
 def test_call_refusals(tmp_path: Path, job: str) -> None:

@@ -3,7 +3,9 @@
 The agent constructs one per node, calls `start()` before spawning workers (and exports
 `DLROVER_HPC_SAVER_SOCKET=<socket_path>` to them), `persist_latest()` when a worker died and
 before restarting the workers, and `close()` at job end, which finishes in-flight persists and
-removes this job's segments on this node.
+removes this job's segments on this node.  With a `ReplicaSender`, the agent tells it every
+round's replica servers (`set_replica_peers`) and a `replicate` request copies a segment to
+the peers `replica_peers` picks, in the background.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ from dlrover_hpc.checkpoint.api import CommitCoordinator, EventSink, FaultHook
 from dlrover_hpc.checkpoint.env import DEFAULT_SHM_DIR, current_user, segment_prefix
 from dlrover_hpc.checkpoint.saver.persist_queue import SaverCore
 from dlrover_hpc.checkpoint.saver.recovery import persist_latest
+from dlrover_hpc.checkpoint.saver.replica_sender import ReplicaSender
+from dlrover_hpc.checkpoint.saver.replicas import replica_peers
 from dlrover_hpc.checkpoint.saver.segments import list_segments, unlink_segments
 from dlrover_hpc.checkpoint.saver.worker_protocol import (
     VERSION,
     Hello,
     Ping,
+    Replicate,
     Saved,
     Wait,
     decode_request,
@@ -50,6 +55,7 @@ class SaverHost:
         shm_dir: str = DEFAULT_SHM_DIR,
         io_threads: int = 4,
         fault: FaultHook | None = None,
+        replicas: ReplicaSender | None = None,
     ) -> None:
         if not job_id or not node_name:
             raise CheckpointError("SaverHost needs a non-empty job_id and node_name")
@@ -66,6 +72,10 @@ class SaverHost:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self.replicas = replicas
+        self._round_peers: tuple[int, tuple[str, ...]] = (-1, ())  # node rank, "host:port"s
+        self._peers: list[tuple[str, int]] = []  # the sender's, for the count last asked
+        self._count = -1
 
     # ------------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -102,6 +112,31 @@ class SaverHost:
         logger.info("checkpoint persist_latest step=%s segments=%d", step, len(paths))
         return step
 
+    def set_replica_peers(self, node_rank: int, peers: list[str]) -> None:
+        """A new round: this node's rank and every node's replica server by node rank."""
+        with self._lock:
+            self._round_peers, self._count = (node_rank, tuple(peers)), -1
+
+    def _replicate(self, path: str, step: int, count: int) -> None:
+        sender = self.replicas
+        if sender is None or count <= 0:
+            return
+        with self._lock:
+            node_rank, peers = self._round_peers
+            if count != self._count:
+                chosen = [peers[i] for i in replica_peers(node_rank, len(peers), count)]
+                self._peers = [_address(p) for p in chosen if p]
+                self._count = count
+                sender.set_peers(self._peers)
+                if len(self._peers) < count:
+                    logger.warning(
+                        "checkpoint replicas_short wanted=%d peers=%d: the round has fewer "
+                        "nodes with a replica server",
+                        count,
+                        len(self._peers),
+                    )
+        sender.offer(path, step)
+
     def wait_idle(self, timeout_s: float) -> bool:
         return self.core.wait_idle(timeout_s)
 
@@ -125,6 +160,8 @@ class SaverHost:
                 conn.shutdown(socket.SHUT_RDWR)
         for thread in self._threads:
             thread.join(timeout=5.0)
+        if self.replicas is not None:
+            self.replicas.close()
         if not self.core.close(timeout_s=timeout_s):
             logger.warning("checkpoint saver_close_timeout: persists still running were dropped")
         with contextlib.suppress(FileNotFoundError):
@@ -203,6 +240,15 @@ class SaverHost:
                 )
             self.core.submit(os.path.join(self.shm_dir, name), step=int(message.step))
             return {}
+        if isinstance(message, Replicate):
+            name = message.segment
+            if "/" in name or not name.startswith(self.prefix):
+                raise CheckpointError(
+                    f"segment {name!r} does not belong to job {self.job_id} on {self.node_name}"
+                )
+            path = os.path.join(self.shm_dir, name)
+            self._replicate(path, int(message.step), int(message.count))
+            return {}
         if isinstance(message, Wait):
             done = self.core.wait_committed(
                 message.ckpt_dir,
@@ -215,3 +261,8 @@ class SaverHost:
         if isinstance(message, Ping):
             return {}
         raise CheckpointError(f"unhandled request {type(message).__name__}")
+
+
+def _address(peer: str) -> tuple[str, int]:
+    host, _, port = peer.rpartition(":")
+    return host, int(port)

@@ -12,6 +12,7 @@ mid-copy leaves state WRITING, which no reader accepts.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import enum
@@ -314,7 +315,9 @@ def _free_bytes(directory: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-_NAME = re.compile(r"^r(?P<rank>\d+)(?:-(?P<tag>[A-Za-z0-9_.]+))?-(?P<buf>[ab])$")
+_NAME = re.compile(r"^(?P<copy>c?)r(?P<rank>\d+)(?:-(?P<tag>[A-Za-z0-9_.]+))?-(?P<buf>[ab])$")
+#: a copy being received (`replicas`): never listed as a segment, removed with the job's
+COPY_TMP = ".tmp"
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -323,10 +326,18 @@ class SegmentName:
     rank: int
     buffer: int
     tag: str
+    #: a copy of another node's segment (`replica_count`), named `<prefix>c<its name>`
+    copy: bool = False
 
 
-def list_segments(shm_dir: str, prefix: str) -> list[SegmentName]:
-    """This job's and node's segments in `shm_dir` (names from `env.segment_name`)."""
+def copy_name(name: str) -> str:
+    """The name on a peer node of a copy of segment `name` (without the prefix)."""
+    return f"c{name}"
+
+
+def list_segments(shm_dir: str, prefix: str, *, copies: bool = False) -> list[SegmentName]:
+    """This job's and node's segments in `shm_dir` (names from `env.segment_name`); with
+    `copies`, the copies of other nodes' segments kept here instead."""
     found = []
     try:
         names = os.listdir(shm_dir)
@@ -336,24 +347,35 @@ def list_segments(shm_dir: str, prefix: str) -> list[SegmentName]:
         if not name.startswith(prefix):
             continue
         m = _NAME.match(name[len(prefix) :])
-        if m:
+        if m and bool(m["copy"]) == copies:
             found.append(
                 SegmentName(
                     path=os.path.join(shm_dir, name),
                     rank=int(m["rank"]),
                     buffer=BUFFERS.index(m["buf"]),
                     tag=m["tag"] or "",
+                    copy=copies,
                 )
             )
     return found
 
 
 def unlink_segments(shm_dir: str, prefix: str) -> list[str]:
+    """Removes this job's segments on this node, the copies of other nodes' and the copies
+    still being received."""
     removed = []
-    for seg in list_segments(shm_dir, prefix):
+    paths = [s.path for s in list_segments(shm_dir, prefix)]
+    paths += [s.path for s in list_segments(shm_dir, prefix, copies=True)]
+    with contextlib.suppress(FileNotFoundError):
+        paths += [
+            os.path.join(shm_dir, n)
+            for n in os.listdir(shm_dir)
+            if n.startswith(prefix + "c") and n.endswith(COPY_TMP)
+        ]
+    for path in paths:
         try:
-            os.unlink(seg.path)
-            removed.append(seg.path)
+            os.unlink(path)
+            removed.append(path)
         except FileNotFoundError:
             pass
     return removed

@@ -6,6 +6,7 @@ on failure, `"error"`.  Types:
 
 - `hello` {rank, local_rank, pid} -> {job_id, node_name, prefix, shm_dir}
 - `saved` {segment (file name), step} -> {}: pin the segment and persist the step it holds
+- `replicate` {segment, step, count} -> {}: copy the segment to `count` peer nodes' memory
 - `wait` {ckpt_dir, step, rank, token} -> {committed}: until the step is committed or timeout_s
 - `ping` {} -> {}
 """
@@ -80,6 +81,13 @@ class Saved:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Replicate:
+    segment: str
+    step: int
+    count: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Wait:
     ckpt_dir: str
     step: int
@@ -92,7 +100,13 @@ class Ping:
     pass
 
 
-MESSAGES: dict[str, type] = {"hello": Hello, "saved": Saved, "wait": Wait, "ping": Ping}
+MESSAGES: dict[str, type] = {
+    "hello": Hello,
+    "saved": Saved,
+    "replicate": Replicate,
+    "wait": Wait,
+    "ping": Ping,
+}
 
 
 def decode_request(frame: dict[str, Any]) -> tuple[int, Any, float]:

@@ -60,6 +60,7 @@ class CheckpointerBase:
         link: SaverLink | None,
         device_snapshot: bool | None = None,
         keep_interval: int | None = None,
+        replicas: int = 0,
     ) -> None:
         self.checkpoint_dir = checkpoint_dir
         self.verify = verify
@@ -75,6 +76,7 @@ class CheckpointerBase:
             link=link,
             device_snapshot=device_snapshot,
             keep_interval=keep_interval,
+            replicas=replicas,
         )
         #: (step, "memory" | "peer" | "storage") of the last successful load_checkpoint()
         self.last_restored: tuple[int, str] | None = None

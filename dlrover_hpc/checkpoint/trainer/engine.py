@@ -25,6 +25,7 @@ from dlrover_hpc.checkpoint.saver.commit_records import CheckpointDir
 from dlrover_hpc.checkpoint.saver.segments import Header, Segment, list_segments
 from dlrover_hpc.checkpoint.saver.storage import Storage
 from dlrover_hpc.checkpoint.trainer.cuda import SnapshotPolicy
+from dlrover_hpc.checkpoint.trainer.earlier_worlds import drop_earlier_worlds
 from dlrover_hpc.checkpoint.trainer.gpu_staging import DeferredSaves, HostPinner
 from dlrover_hpc.checkpoint.trainer.memory_step import MemoryStep
 from dlrover_hpc.checkpoint.trainer.saver_connection import SaverLink, connect
@@ -54,6 +55,7 @@ class Engine:
         max_wait_s: float = 600.0,
         device_snapshot: bool | None = None,
         keep_interval: int | None = None,
+        replicas: int = 0,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last={keep_last} must be at least 1 (or None: keep all)")
@@ -67,6 +69,10 @@ class Engine:
         self.tag = tag
         self.token = self.env.generation_token()
         ddp = kind == PartKind.DDP
+        if replicas < 0:
+            raise CheckpointError(f"replica_count={replicas} must be 0 or more")
+        #: peer nodes that keep a copy of this rank's part in memory (every node has DDP's)
+        self.replicas = 0 if ddp else replicas
         #: DDP keeps one copy per node (local rank 0) and persists global rank 0's only
         self.writes_memory = not ddp or self.env.local_rank == 0
         self.persists = not ddp or self.env.rank == 0
@@ -84,7 +90,7 @@ class Engine:
         self.deferred = DeferredSaves(SnapshotPolicy.from_env(device_snapshot))
         self.last_disk_step: int | None = None
         #: no segment of an earlier world's ranks is left on this node (leader)
-        self._no_earlier_world = False
+        self.no_earlier_world = False
         #: segments of other ranks opened for a restore and pinned ahead of it (DDP leader's)
         self._readers: dict[str, Segment] = {}
         self._closed = False
@@ -146,6 +152,11 @@ class Engine:
         ok = True
         self.buffers.prepare_second(seg.size, device)
         self.drop_earlier_worlds_segments()
+        if self.replicas:
+            try:  # the agent copies it to peers in the background
+                self.link.replicate(seg.path, step, self.replicas)
+            except CheckpointError as exc:
+                logger.warning("checkpoint replicate_request_failed step=%d error=%s", step, exc)
         if storage_type == StorageType.DISK:
             self.last_disk_step = step
             if self.persists:
@@ -169,42 +180,7 @@ class Engine:
         return ok
 
     def drop_earlier_worlds_segments(self) -> list[str]:
-        """Removes this node's segments that ranks of an earlier world saved here (names of
-        ranks not on this node now), once the node leader's two buffers both hold newer
-        steps: a restore takes the newest step whose parts survive, so they would serve only
-        if this world's saves had failed twice (storage then).  Until then they may be all
-        that holds the last step in memory; after that they would only fill the node's
-        memory and hide this node's current steps from the agent's persist-on-failure."""
-        if self.env.local_rank != 0 or self._no_earlier_world:
-            return []
-        width = 1 if self.kind == PartKind.DDP else self.env.local_world_size  # who writes
-        here = range(self.env.rank, self.env.rank + width)
-        earlier = [
-            name
-            for name in list_segments(self.link.shm_dir, self.link.prefix)
-            if name.rank not in here and name.path == self.segment_path(name.buffer, rank=name.rank)
-        ]
-        self._no_earlier_world = not earlier  # none appear later in this world: stop looking
-        own = [seg.header() if seg is not None else None for seg in self.buffers.segments]
-        if not earlier or None in own:
-            return []
-        oldest = min(h.step for h in own if h is not None)
-        removed = []
-        for name in earlier:
-            try:
-                seg = Segment(name.path, writable=False)
-                try:
-                    header = seg.header()
-                finally:
-                    seg.close()
-                if header is None or header.step < oldest:
-                    os.unlink(name.path)
-                    removed.append(name.path)
-            except OSError as exc:  # gone already, or not ours
-                logger.debug("checkpoint drop_segment_skipped path=%s error=%s", name.path, exc)
-        if removed:
-            logger.info("checkpoint earlier_world_segments_removed count=%d", len(removed))
-        return removed
+        return drop_earlier_worlds(self)
 
     def wait_pending(self) -> None:
         """Until the last deferred save (GPU snapshot drain) is in its segment."""
@@ -255,11 +231,16 @@ class Engine:
         self.wait_pending()
         found: list[MemoryStep] = []
         mine = [self.buffers.existing(b) for b in (0, 1)]  # drops mappings of removed files
-        for name in list_segments(self.link.shm_dir, self.link.prefix):
+        shm, prefix = self.link.shm_dir, self.link.prefix
+        # Copies of other nodes' parts (`replica_count`) count as this node's: `c` names.
+        for name in list_segments(shm, prefix) + list_segments(shm, prefix, copies=True):
             path = self.segment_path(name.buffer, rank=name.rank)
+            if name.copy:
+                path = os.path.join(shm, prefix + "c" + os.path.basename(path)[len(prefix) :])
             if name.path != path:  # another checkpointer's (tag)
                 continue
-            seg = mine[name.buffer] if name.rank == self.env.rank else self._reader(path)
+            ours = name.rank == self.env.rank and not name.copy
+            seg = mine[name.buffer] if ours else self._reader(path)
             if seg is None or not seg.try_lock(exclusive=False):
                 continue
             try:

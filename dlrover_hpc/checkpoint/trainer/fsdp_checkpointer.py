@@ -53,6 +53,7 @@ class FsdpShardCheckpointer(CheckpointerBase):
         env: WorkerEnv | None = None,
         link: SaverLink | None = None,
         keep_interval: int | None = None,
+        replica_count: int = 0,
     ) -> None:
         super().__init__(
             checkpoint_dir,
@@ -66,6 +67,7 @@ class FsdpShardCheckpointer(CheckpointerBase):
             env=env,
             link=link,
             keep_interval=keep_interval,
+            replicas=replica_count,
         )
 
     # ------------------------------------------------------------------------ saving

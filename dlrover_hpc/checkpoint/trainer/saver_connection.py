@@ -15,7 +15,13 @@ from dlrover_hpc.checkpoint.api import CommitCoordinator, EventSink, FaultHook
 from dlrover_hpc.checkpoint.env import ENV_SAVER_SOCKET, SEGMENT_PREFIX, WorkerEnv, safe_component
 from dlrover_hpc.checkpoint.saver.commits import CommitCounter, StoreCommitCoordinator
 from dlrover_hpc.checkpoint.saver.persist_queue import SaverCore
-from dlrover_hpc.checkpoint.saver.worker_protocol import Hello, Saved, SaverClient, Wait
+from dlrover_hpc.checkpoint.saver.worker_protocol import (
+    Hello,
+    Replicate,
+    Saved,
+    SaverClient,
+    Wait,
+)
 from dlrover_hpc.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -29,6 +35,8 @@ class SaverLink(Protocol):
     in_process: bool
 
     def submit(self, segment_path: str, step: int) -> None: ...
+
+    def replicate(self, segment_path: str, step: int, count: int) -> None: ...
 
     def wait_committed(
         self, ckpt_dir: str, step: int, timeout_s: float, rank: int, token: int
@@ -54,6 +62,10 @@ class SocketLink:
 
     def submit(self, segment_path: str, step: int) -> None:
         self._client.request(Saved(segment=os.path.basename(segment_path), step=step))
+
+    def replicate(self, segment_path: str, step: int, count: int) -> None:
+        name = os.path.basename(segment_path)
+        self._client.request(Replicate(segment=name, step=step, count=count))
 
     def wait_committed(
         self, ckpt_dir: str, step: int, timeout_s: float, rank: int, token: int
@@ -104,12 +116,23 @@ class InProcessSaver:
         )
         self.core.start()
         self._closed = False
+        self._warned_replicas = False
         sweep_stale_segments(env)
         ref = weakref.ref(self)
         atexit.register(_close_at_exit, ref)
 
     def submit(self, segment_path: str, step: int) -> None:
         self.core.submit(segment_path, step=step)
+
+    def replicate(self, segment_path: str, step: int, count: int) -> None:
+        """No agents, no peers: a step lives in this node's memory and on storage only."""
+        if not self._warned_replicas:
+            self._warned_replicas = True
+            logger.warning(
+                "checkpoint replicas_unavailable count=%d: memory replicas on peer nodes need "
+                "dlrover-run's agents; this process keeps its steps in its own memory only",
+                count,
+            )
 
     def wait_committed(
         self, ckpt_dir: str, step: int, timeout_s: float, rank: int, token: int

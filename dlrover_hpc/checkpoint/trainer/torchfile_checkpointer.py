@@ -69,6 +69,7 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
         link: SaverLink | None = None,
         device_snapshot: bool | None = None,
         keep_interval: int | None = None,
+        replica_count: int = 0,
     ) -> None:
         super().__init__(
             checkpoint_dir,
@@ -83,6 +84,7 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
             link=link,
             device_snapshot=device_snapshot,
             keep_interval=keep_interval,
+            replicas=replica_count,
         )
         self.weights_only = weights_only
         self._layout: TorchFileLayout | None = None

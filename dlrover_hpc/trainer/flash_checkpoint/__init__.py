@@ -36,10 +36,10 @@ ddp.DdpCheckpointer(checkpoint_dir, local_shard_num=1, global_shard_num=1, comm_
   save_timeout       MAPPED to nothing to wait for: checked > 0.  A step is committed once
                        every part is durable and an incomplete step never is, so the previous
                        checkpoint stays the newest without a timeout.
-  replica_count      MAPPED for replicated state: every node already holds a full copy in
-                       memory and a node without it (a replacement) receives it from a peer.
-                       REFUSED > 0 with shards: cross-node memory replicas of sharded state
-                       are not implemented yet (issue 17); pass 0.
+  replica_count      ACCEPTED with shards: the agent copies each node's parts of every save
+                       to that many peer nodes' memory in the background; a replacement node
+                       receives them from a peer (README: memory use).  MAPPED for replicated
+                       state: every node already holds a full copy (the count is ignored).
   storage=           (keyword; DLRover before May 2024) MAPPED: PosixDiskStorage -> default,
                        PosixStorageWithDeletion(tracker, strategy) -> its strategy as above.
                        REFUSED: other CheckpointStorage classes (the saver writes through
@@ -64,7 +64,7 @@ ddp.DdpCheckpointer(checkpoint_dir, local_shard_num=1, global_shard_num=1, comm_
                        timeout (DLRover returns None).
 
 fsdp.FsdpShardCheckpointer(checkpoint_dir, comm_backend="", deletion_strategy=None,
-                           save_timeout=600), keyword storage=
+                           save_timeout=600, replica_count=0), keyword storage=
   arguments          as for DdpCheckpointer.
   save_checkpoint(step, model, optimizer, extra_sd={}, path="", storage_type=DISK)
                      ACCEPTED: {"model", "optim"} of FSDP's SHARDED_STATE_DICT plus extra_sd,

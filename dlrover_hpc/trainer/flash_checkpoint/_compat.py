@@ -21,9 +21,6 @@ from dlrover_hpc.trainer.storage import (
     PosixStorageWithDeletion,
 )
 
-#: where cross-node memory replicas of sharded state are tracked
-REPLICA_ISSUE = "issue 17"
-
 
 class UnsupportedArgument(UsageError, ValueError):
     """A DLRover argument value this package does not implement; the message says why."""
@@ -71,19 +68,13 @@ def shard_layout(local_shard_num: int, global_shard_num: int, env: WorkerEnv) ->
     )
 
 
-def check_replica_count(replica_count: Any, *, sharded: bool) -> None:
+def check_replica_count(replica_count: Any) -> int:
     """Replicated state needs no extra replica: every node's local rank 0 keeps a full copy
-    and a rank whose node lacks it receives it from a peer.  Copies of sharded state in
-    other nodes' memory are not implemented."""
-    if not isinstance(replica_count, int) or replica_count < 0:
+    and a rank whose node lacks it receives it from a peer (the count is ignored then).
+    Sharded state: each node's parts are copied to `replica_count` peer nodes' memory."""
+    if isinstance(replica_count, bool) or not isinstance(replica_count, int) or replica_count < 0:
         raise UnsupportedArgument(f"replica_count={replica_count!r} must be an integer >= 0")
-    if replica_count > 0 and sharded:
-        raise UnsupportedArgument(
-            f"replica_count={replica_count}: cross-node memory replicas of sharded state are "
-            f"not implemented yet (tracked in {REPLICA_ISSUE}); pass replica_count=0: a step "
-            "is then restored from memory while every rank's part survives on some node, "
-            "else from storage"
-        )
+    return replica_count
 
 
 def retention(

@@ -41,7 +41,7 @@ class DdpCheckpointer(Checkpointer):
     or every rank a shard); `comm_backend` (checked; our restore agreement uses the default
     process group); `deletion_strategy` (`KeepLatestStepStrategy` -> keep_last,
     `KeepStepIntervalStrategy` -> keep_interval); `save_timeout` (checked); `replica_count`
-    (replicated state: every node already holds a full copy; sharded: refused).  Keyword
+    (sharded: copies on that many peer nodes; replicated: every node has a full copy).  Keyword
     `storage` (older DLRover): `PosixDiskStorage` or `PosixStorageWithDeletion`.  Further
     keywords go to our checkpointer (`env`, `events`, `tag`, `keep_last`, `device_snapshot`...).
     """
@@ -61,7 +61,10 @@ class DdpCheckpointer(Checkpointer):
     ) -> None:
         env = _compat.worker_env(options)
         self._sharded = _compat.shard_layout(local_shard_num, global_shard_num, env)
-        _compat.check_replica_count(replica_count, sharded=self._sharded)
+        if self._sharded:  # replicated state: every node holds a full copy already
+            options["replica_count"] = _compat.check_replica_count(replica_count)
+        else:
+            _compat.check_replica_count(replica_count)
         _compat.check_comm_backend(comm_backend)
         _compat.check_save_timeout(save_timeout)
         options.update(_compat.retention(checkpoint_dir, deletion_strategy, storage, options))

@@ -48,10 +48,12 @@ class FsdpShardCheckpointer(Checkpointer):
         comm_backend: str = "",
         deletion_strategy: Any = None,
         save_timeout: float = SAVE_TIMEOUT,
+        replica_count: int = 0,
         *,
         storage: Any = None,
         **options: Any,
     ) -> None:
+        options["replica_count"] = _compat.check_replica_count(replica_count)
         _compat.check_comm_backend(comm_backend)
         _compat.check_save_timeout(save_timeout)
         options.update(_compat.retention(checkpoint_dir, deletion_strategy, storage, options))
