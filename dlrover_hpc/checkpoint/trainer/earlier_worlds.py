@@ -4,18 +4,28 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from dlrover_hpc.checkpoint.api import PartKind
+from dlrover_hpc.checkpoint.env import WorkerEnv
 from dlrover_hpc.checkpoint.saver.segments import Segment, list_segments
-
-if TYPE_CHECKING:
-    from dlrover_hpc.checkpoint.trainer.engine import Engine
 
 logger = logging.getLogger(__name__)
 
 
-def drop_earlier_worlds(engine: Engine) -> list[str]:
+class Leader(Protocol):
+    """What of a checkpointer's engine the node leader's clean-up reads (and one flag)."""
+
+    env: WorkerEnv
+    kind: PartKind
+    link: Any
+    buffers: Any
+    no_earlier_world: bool
+
+    def segment_path(self, buffer: int, *, rank: int | None = None) -> str: ...
+
+
+def drop_earlier_worlds(engine: Leader) -> list[str]:
     """Removes this node's segments that ranks of an earlier world saved here (names of
     ranks not on this node now), once the node leader's two buffers both hold newer
     steps: a restore takes the newest step whose parts survive, so they would serve only
