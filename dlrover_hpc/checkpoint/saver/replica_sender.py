@@ -131,7 +131,13 @@ class ReplicaSender:
                 if header is None or header.step < step:
                     return  # being rewritten: its writer offers the newer step
                 t0 = time.monotonic()
-                sent = [p for p in peers if self._send(p, name, header, mm)]
+                sent = []
+                for peer in peers:
+                    now = read_header(mm)
+                    if now is None or now.seq != header.seq or not _complete(mm):
+                        break  # a new save began: the rest would get a torn copy too
+                    if self._send(peer, name, header, mm):
+                        sent.append(peer)
                 seconds = time.monotonic() - t0
         except (FileNotFoundError, ValueError):
             return  # removed (job end, an earlier world's), or empty

@@ -346,7 +346,7 @@ def list_segments(shm_dir: str, prefix: str, *, copies: bool = False) -> list[Se
     for name in sorted(names):
         if not name.startswith(prefix):
             continue
-        m = _NAME.match(name[len(prefix) :])
+        m = _NAME.fullmatch(name[len(prefix) :])
         if m and bool(m["copy"]) == copies:
             found.append(
                 SegmentName(
