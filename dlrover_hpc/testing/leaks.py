@@ -40,6 +40,14 @@ def _cmdline(proc: psutil.Process) -> str:
         return "?"
 
 
+def _alive(p: psutil.Process) -> bool:
+    """Still running (not a zombie); a process that exits while we look is gone."""
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _node_roots(slurmd_pids: dict[str, int]) -> dict[str, Path]:
     return {n: Path(f"/proc/{pid}/root") for n, pid in slurmd_pids.items()}
 
@@ -50,7 +58,7 @@ def take_snapshot(*, slurmd_pids: dict[str, int] | None = None) -> LeakSnapshot:
     children = frozenset(
         (p.pid, _cmdline(p))
         for p in me.children(recursive=True)
-        if p.pid not in daemons and p.status() != "zombie"
+        if p.pid not in daemons and _alive(p)
     )
     netns_dir = Path("/run/netns")
     netns = frozenset(os.listdir(netns_dir)) if netns_dir.exists() else frozenset()

@@ -81,8 +81,11 @@ def test_a_killed_nodes_parts_come_back_from_a_peers_memory(
     # Every rank restored the step the dead node saved last, from memory or the peer's copy.
     restored = named(evs, "checkpoint_restored")
     assert {(e["rank"], e["step"]) for e in restored} == {(0, STALL), (1, STALL)}, restored
-    sources = {e["rank"]: (e["node"], e["source"]) for e in restored}
-    assert sources[1] == (spare, "peer") and sources[0][1] in ("memory", "peer"), sources
+    # Ranks may move between nodes when the world re-forms (the spare can take rank 0): the
+    # spare holds no part of the old world, so it receives one from a peer; the surviving
+    # node restores from its own segment or the copy it kept of the dead node's part.
+    sources = {e["node"]: e["source"] for e in restored}
+    assert sources[spare] == "peer" and set(sources.values()) <= {"memory", "peer"}, restored
     result = json.loads((work / "result.json").read_text())
     assert result["start_step"] == STALL and result["final_step"] == STEPS  # 0 lost steps
     # What it cost: the bytes each copy sent, and that copies went to the other node.
