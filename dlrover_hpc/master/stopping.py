@@ -49,16 +49,10 @@ class GracefulStop:
         self.plan: StopPlan | None = None
         self.time_left_s: float | None = None  # at the last check of the time limit
         self._checked_at = 0.0
-        self.kept_step = -1  # the newest committed step when the job ended
         self.forced = False  # the job ended by the deadline (or no round ran), not by a save
         self._requested_at = 0.0
         self.sent = False  # the agents have the stop step
         self._sent_round = 0
-        self.next_job: str | None = None
-
-    @property
-    def can_continue(self) -> bool:
-        return self.continuer is not None
 
     def request(
         self, kind: StopKind | None, reason: str, *, within_s: float | None = None
@@ -142,16 +136,16 @@ class GracefulStop:
         if not self.forced and not any(n.stopped for n in self.job.participants()):
             log.info("graceful stop: training ended before the stop step; nothing to continue")
             return None
-        self.kept_step = self.job.last_committed
+        kept = self.job.last_committed
         self.job.emit(
             plan.kind.event,
-            step=self.kept_step,
+            step=kept,
             stop_step=plan.step,
             reason=plan.reason,
         )
-        if self.continuer is not None:
-            self.next_job = self.continuer.continue_job(plan, self.kept_step)
-        return self.next_job
+        if self.continuer is None:
+            return None
+        return self.continuer.continue_job(plan, kept)
 
 
 #: seconds between two questions to Slurm about the time left (a limit may be changed)

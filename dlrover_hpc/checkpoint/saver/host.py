@@ -223,6 +223,14 @@ class SaverHost:
             return {"v": VERSION, "id": request_id, "ok": False, "error": repr(exc)}
         return {"v": VERSION, "id": request_id, "ok": True, **result}
 
+    def _own_segment(self, name: str) -> str:
+        """The path of a segment a worker names; refused unless it is this job's on this node."""
+        if "/" in name or not name.startswith(self.prefix):
+            raise CheckpointError(
+                f"segment {name!r} does not belong to job {self.job_id} on {self.node_name}"
+            )
+        return os.path.join(self.shm_dir, name)
+
     def _dispatch(self, message: Any, timeout_s: float) -> dict[str, Any]:
         if isinstance(message, Hello):
             logger.info("checkpoint worker_hello rank=%d pid=%d", message.rank, message.pid)
@@ -233,20 +241,10 @@ class SaverHost:
                 "shm_dir": self.shm_dir,
             }
         if isinstance(message, Saved):
-            name = message.segment
-            if "/" in name or not name.startswith(self.prefix):
-                raise CheckpointError(
-                    f"segment {name!r} does not belong to job {self.job_id} on {self.node_name}"
-                )
-            self.core.submit(os.path.join(self.shm_dir, name), step=int(message.step))
+            self.core.submit(self._own_segment(message.segment), step=int(message.step))
             return {}
         if isinstance(message, Replicate):
-            name = message.segment
-            if "/" in name or not name.startswith(self.prefix):
-                raise CheckpointError(
-                    f"segment {name!r} does not belong to job {self.job_id} on {self.node_name}"
-                )
-            path = os.path.join(self.shm_dir, name)
+            path = self._own_segment(message.segment)
             self._replicate(path, int(message.step), int(message.count))
             return {}
         if isinstance(message, Wait):
