@@ -1,10 +1,13 @@
-# The two set-up commands of the README: `make demo` and `make test`.
+# The set-up commands of the README: `make demo`, `make test` and `make test-fast`.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 NODES  ?= 4
+# Test workers side by side, each with a local Slurm of its own (tests/conftest.py).
+WORKERS ?= 3
+PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup --durations=10
 
-.PHONY: venv demo test lint down clean
+.PHONY: venv demo test test-fast lint down clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +30,11 @@ lint: venv
 	$(VENV)/bin/lint-imports
 
 test: venv lint
-	$(PY) -m pytest -q tests
+	$(PYTEST) tests
+
+# The unit tests only (no local Slurm, no whole jobs): the edit loop.
+test-fast: venv
+	$(PYTEST) -m 'not slurm and not runtime' tests
 
 down: venv
 	$(VENV)/bin/dlrover-hpc local-slurm down

@@ -1,4 +1,11 @@
-"""Shared fixtures: one local 4-node Slurm per session, and a leak check around every test."""
+"""Shared fixtures: one local 4-node Slurm per session, and a leak check around every test.
+
+Side by side (``pytest -n N``, as ``make test`` runs): each worker process gets a mount
+namespace of its own (private ``/dev/shm`` and ``/run/netns``) and a local Slurm of its own
+(cluster N+1: its own name, ports, bridges, subnets, spool and ``SLURM_CONF``), so that the
+leak checks and the clusters of two workers never see each other.  Alone (``-n 0``), the
+session uses the default cluster 0, as ``dlrover-hpc local-slurm up`` does.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +19,39 @@ import pytest
 
 from dlrover_hpc.checkpoint.testing import remove_job_segments
 from dlrover_hpc.testing import LocalSlurm, LocalSlurmConfig
+from dlrover_hpc.testing.isolation import private_mounts
 from dlrover_hpc.testing.leaks import take_snapshot, wait_no_leaks
 
 REPO = Path(__file__).resolve().parent.parent
 _slurm: LocalSlurm | None = None
+
+
+#: Whole jobs and real servers (``make test-fast`` leaves them out with ``-m 'not runtime'``).
+RUNTIME = ("tests/runtime/", "tests/ssh/", "tests/testing/test_prometheus.py")
+
+
+def _cluster_index() -> int:
+    """0 alone; worker ``gwK`` of ``pytest -n N`` uses cluster K+1."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(worker.removeprefix("gw")) + 1 if worker.startswith("gw") else 0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    index = _cluster_index()
+    if index and os.geteuid() == 0:
+        private_mounts()
+        os.environ["SLURM_CONF"] = str(LocalSlurmConfig(index=index).slurm_conf)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The runtime tests first, so that side by side the long ones start early and the
+    short ones fill the gaps at the end; each test on a real Slurm is marked ``slurm``."""
+    for item in items:
+        if "local_slurm" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slurm)
+        if item.nodeid.startswith(RUNTIME):
+            item.add_marker(pytest.mark.runtime)
+    items.sort(key=lambda item: 0 if item.nodeid.startswith("tests/runtime/") else 1)
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +60,7 @@ def local_slurm() -> Iterator[LocalSlurm]:
     global _slurm
     if os.geteuid() != 0:
         pytest.skip("the local multi-node Slurm needs root (namespaces, daemons)")
-    cluster = LocalSlurm(LocalSlurmConfig(nodes=4))
+    cluster = LocalSlurm(LocalSlurmConfig(nodes=4, index=_cluster_index()))
     was_up = cluster.is_up()
     cluster.up()
     _slurm = cluster
@@ -35,12 +71,14 @@ def local_slurm() -> Iterator[LocalSlurm]:
         cluster.down()
         # `down` must leave no daemon, namespace or bridge of ours behind.
         left = [p for p in pids if Path(f"/proc/{p}").exists()]
+        prefix = cluster.config.netns("")
         netns = (
-            [n for n in os.listdir("/run/netns") if n.startswith("dlhpc-")]
+            [n for n in os.listdir("/run/netns") if n.startswith(prefix)]
             if Path("/run/netns").exists()
             else []
         )
-        assert not left and not netns and not Path("/sys/class/net/dlhpc-br0").exists(), (
+        bridge = Path(f"/sys/class/net/{cluster.config.bridge}")
+        assert not left and not netns and not bridge.exists(), (
             f"local-slurm down left behind: pids={left} netns={netns}"
         )
 

@@ -45,6 +45,8 @@ COUNT_FILE = "continuations"
 OPTS_ENV = "DLROVER_HPC_CONTINUE_OPTS"
 #: variables of this job that must not leak into the next one (it makes its own)
 _DROP = ("DLROVER_HPC_JOB_DIR", "DLROVER_HPC_TOKEN", "DLROVER_HPC_MASTER", COUNT_ENV)
+#: Set by the user or the site, not by this job: which cluster's configuration to talk to.
+_KEEP = ("SLURM_CONF",)
 
 
 class StopKind(enum.StrEnum):
@@ -111,7 +113,9 @@ def resubmit_argv(
     same script, arguments, nodes, time limit, partition, name, directory and output files,
     after the old job ends; run under ``env -u`` so this job's variables do not leak in."""
     unset = sorted(
-        k for k in environ if k in _DROP or k.startswith(("SLURM_", "SBATCH_", "SALLOC_"))
+        k
+        for k in environ
+        if k in _DROP or (k.startswith(("SLURM_", "SBATCH_", "SALLOC_")) and k not in _KEEP)
     )
     argv = ["env", *(a for k in unset for a in ("-u", k)), "sbatch", "--parsable"]
     argv += [f"--dependency=afterany:{job_id}", f"--export=ALL,{COUNT_ENV}={count}"]

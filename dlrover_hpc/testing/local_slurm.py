@@ -17,6 +17,7 @@ This module runs the cluster's life cycle; the configuration and its files are i
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -25,22 +26,20 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from dlrover_hpc.errors import LocalSlurmError
 from dlrover_hpc.testing import slurm_net
 from dlrover_hpc.testing.commands import node_argv
 from dlrover_hpc.testing.slurm_config import (
+    BASE_DIR,
     MARK,
-    SLURM_CONF,
-    TOPOLOGY_CONF,
     LocalSlurmConfig,
     hosts_text,
     slurm_conf_text,
     topology_text,
 )
-from dlrover_hpc.testing.slurm_net import netns_name, netns_pids
 from dlrover_hpc.testing.slurm_procs import alive, install_packages, run, spawn, terminate, wait
 
 __all__ = ["LocalSlurm", "LocalSlurmConfig"]
@@ -54,6 +53,9 @@ class LocalSlurm:
     def __init__(self, config: LocalSlurmConfig | None = None) -> None:
         self.config = config or LocalSlurmConfig()
         self._state_file = self.config.state_dir / "state.json"
+        #: The environment of the Slurm commands and daemons: ``SLURM_CONF`` names this
+        #: cluster's configuration (export it to talk to cluster N from a shell).
+        self.env = {**os.environ, "SLURM_CONF": str(self.config.slurm_conf)}
 
     # ----------------------------------------------------------------- state
     def _load_state(self) -> dict | None:
@@ -98,7 +100,12 @@ class LocalSlurm:
             self.down()
         say("installing Slurm and munge if missing (apt-get)")
         install_packages()
-        state = {"nodes": self.config.node_names(), "slurmd_pids": {}, "created_conf": False}
+        state = {
+            "nodes": self.config.node_names(),
+            "slurmd_pids": {},
+            "created_conf": False,
+            "starter_pid": os.getpid(),  # a cluster coming up counts as up (munged stays)
+        }
         self._save_state(state)
         try:
             self._write_config(state)
@@ -128,40 +135,66 @@ class LocalSlurm:
         sd = cfg.state_dir
         for sub in ("ctld", "log", "spool"):
             (sd / sub).mkdir(parents=True, exist_ok=True)
-        if SLURM_CONF.exists() and MARK not in SLURM_CONF.read_text():
+        if cfg.slurm_conf.exists() and MARK not in cfg.slurm_conf.read_text():
             raise LocalSlurmError(
-                f"{SLURM_CONF} exists and was not written by dlrover-hpc; "
+                f"{cfg.slurm_conf} exists and was not written by dlrover-hpc; "
                 "local-slurm will not overwrite a site's Slurm configuration"
             )
         host = socket.gethostname().split(".")[0]
         conf = slurm_conf_text(cfg, host=host)
-        SLURM_CONF.parent.mkdir(parents=True, exist_ok=True)
-        SLURM_CONF.write_text(conf)
+        cfg.slurm_conf.parent.mkdir(parents=True, exist_ok=True)
+        cfg.slurm_conf.write_text(conf)
         state["created_conf"] = True
         self._save_state(state)
-        TOPOLOGY_CONF.write_text(topology_text(cfg))
+        cfg.topology_conf.write_text(topology_text(cfg))
         (sd / "hosts").write_text(hosts_text(cfg, host=host))
 
     def _spawn(self, argv: list[str], log_name: str) -> int:
-        return spawn(argv, self.config.state_dir / "log" / log_name)
+        return spawn(argv, self.config.state_dir / "log" / log_name, env=self.env)
+
+    def _run(self, argv: list[str], *, check: bool = True) -> str:
+        """A Slurm command of this cluster's."""
+        return run(argv, check=check, env=self.env)
+
+    def _answers(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=10, env=self.env)
 
     def _start_munged(self) -> int | None:
+        """One munged for every local cluster: the first one up starts it (under a lock: test
+        workers bring theirs up side by side), the last one down stops it (:meth:`down`)."""
         sock = Path("/run/munge/munge.socket.2")
-        if sock.exists() and subprocess.run(["munge", "-n"], capture_output=True).returncode == 0:
-            return None  # a munged that is not ours already answers; leave it alone
-        Path("/run/munge").mkdir(parents=True, exist_ok=True)
-        shutil.chown("/run/munge", "munge", "munge")
-        pid = self._spawn(["runuser", "-u", "munge", "--", "munged", "--foreground"], "munged.log")
-        wait(lambda: sock.exists(), timeout_s=10, what="munged's socket")
-        return pid
+        with _munge_lock():
+            if (
+                sock.exists()
+                and subprocess.run(["munge", "-n"], capture_output=True).returncode == 0
+            ):
+                return None  # a munged already answers (another cluster's, or not ours)
+            Path("/run/munge").mkdir(parents=True, exist_ok=True)
+            shutil.chown("/run/munge", "munge", "munge")
+            argv = ["runuser", "-u", "munge", "--", "munged", "--foreground"]
+            pid = spawn(argv, BASE_DIR / "munged.log", env=self.env)
+            wait(lambda: sock.exists(), timeout_s=10, what="munged's socket")
+            MUNGED_PID.write_text(str(pid))
+            return pid
+
+    def _stop_munged(self) -> None:
+        """Stop the munged a local cluster started, unless another cluster still runs."""
+        with _munge_lock():
+            try:
+                pid = int(MUNGED_PID.read_text())
+            except (FileNotFoundError, ValueError):
+                return
+            if other_clusters_up(self.config.state_dir):
+                return
+            terminate(pid)
+            MUNGED_PID.unlink(missing_ok=True)
 
     def _start_slurmctld(self) -> int:
-        pid = self._spawn(["slurmctld", "-D", "-i"], "slurmctld.stdout")
+        pid = self._spawn(
+            ["slurmctld", "-D", "-i", "-f", str(self.config.slurm_conf)], "slurmctld.stdout"
+        )
         wait(
-            lambda: (
-                subprocess.run(["scontrol", "ping"], capture_output=True).returncode == 0
-                or not alive(pid)
-            ),
+            lambda: self._answers(["scontrol", "ping"]).returncode == 0 or not alive(pid),
             timeout_s=20,
             what="slurmctld to answer 'scontrol ping'",
         )
@@ -175,11 +208,11 @@ class LocalSlurm:
         sd = self.config.state_dir
         (sd / "spool" / node).mkdir(parents=True, exist_ok=True)
         argv = node_argv(
-            netns=netns_name(node),
+            netns=self.config.netns(node),
             hostname=node,
             hosts_file=f"{sd}/hosts",
             shm_size=self.config.shm_size,
-            command=f"slurmd -D -N {node}",
+            command=f"slurmd -D -N {node} -f {self.config.slurm_conf}",
         )
         return self._spawn(argv, f"slurmd-{node}.stdout")
 
@@ -187,9 +220,7 @@ class LocalSlurm:
         want = set(self.config.node_names())
 
         def ready() -> bool:
-            out = subprocess.run(
-                ["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True
-            ).stdout
+            out = self._answers(["sinfo", "-h", "-N", "-o", "%N %t"]).stdout
             idle = {ln.split()[0] for ln in out.splitlines() if ln.split()[1:] in (["idle"],)}
             return want <= idle
 
@@ -206,10 +237,9 @@ class LocalSlurm:
         for pid in [*state.get("slurmd_pids", {}).values(), state.get("slurmctld_pid")]:
             if pid:
                 terminate(pid)
-        if state.get("munged_pid"):
-            terminate(state["munged_pid"])
+        self._stop_munged()  # the last local cluster down stops it
         slurm_net.remove_network(self.config, nodes)
-        for conf in (SLURM_CONF, TOPOLOGY_CONF):
+        for conf in (self.config.slurm_conf, self.config.topology_conf):
             with contextlib.suppress(FileNotFoundError):
                 if MARK in conf.read_text():
                     conf.unlink()
@@ -232,9 +262,7 @@ class LocalSlurm:
         state = self._load_state()
         if not state:
             return {"up": False}
-        sinfo = subprocess.run(
-            ["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=10
-        ).stdout
+        sinfo = self._answers(["sinfo", "-h", "-N", "-o", "%N %t"]).stdout
         node_state = dict(ln.split()[:2] for ln in sinfo.splitlines() if len(ln.split()) >= 2)
         return {
             "up": self.is_up(),
@@ -243,7 +271,7 @@ class LocalSlurm:
                 {
                     "name": n,
                     "address": self.config.address(n),
-                    "netns": netns_name(n),
+                    "netns": self.config.netns(n),
                     "slurmd_pid": state["slurmd_pids"].get(n),
                     "slurmd_alive": alive(state["slurmd_pids"].get(n, -1)),
                     "state": node_state.get(n, "unknown"),
@@ -255,7 +283,7 @@ class LocalSlurm:
     # ------------------------------------------------------- fault injection
     def netns_pids(self, node: str) -> list[int]:
         """Live processes in the node's network namespace."""
-        return netns_pids(node)
+        return slurm_net.netns_pids(self.config, node)
 
     def slurmd_pids(self) -> dict[str, int]:
         """Our live slurmd per node (empty when down)."""
@@ -281,7 +309,7 @@ class LocalSlurm:
         """
         pids = self._kill_netns_processes(node)
         if mark_down:
-            run(
+            self._run(
                 [
                     "scontrol",
                     "update",
@@ -298,23 +326,48 @@ class LocalSlurm:
         state = self._load_state() or {}
         state.setdefault("slurmd_pids", {})[node] = self._start_slurmd(node)
         self._save_state(state)
-        run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)
+        self._run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)
 
     def cut_link(self, node: str, *, net: str = "control") -> None:
         """Take the node's link down: ``control`` (Slurm and the master lose it) or ``data``
         (only the fabric: the node still talks to the master but not to its peers' eth1)."""
-        slurm_net.cut_link(node, net=net)
+        slurm_net.cut_link(self.config, node, net=net)
 
     def heal_link(self, node: str, *, net: str = "control") -> None:
         slurm_net.heal_link(self.config, node, net=net)
 
     def slow_link(self, node: str, *, rate: str = "1mbit", net: str = "control") -> None:
         """Rate-limit the node's outgoing traffic (tbf; this kernel has no netem)."""
-        slurm_net.slow_link(node, rate=rate, net=net)
+        slurm_net.slow_link(self.config, node, rate=rate, net=net)
 
     def unslow_link(self, node: str, *, net: str = "control") -> None:
-        slurm_net.unslow_link(node, net=net)
+        slurm_net.unslow_link(self.config, node, net=net)
 
     def node_exec_argv(self, node: str) -> list[str]:
         """argv prefix that runs a command inside the node's namespaces (net, uts, mount, ipc)."""
         return ["nsenter", "-t", str(self.slurmd_pid(node)), "--net", "--uts", "--mount", "--ipc"]
+
+
+MUNGED_PID = BASE_DIR / "munged.pid"
+
+
+@contextlib.contextmanager
+def _munge_lock() -> Iterator[None]:
+    BASE_DIR.mkdir(parents=True, exist_ok=True)
+    with open(BASE_DIR / "munged.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def other_clusters_up(state_dir: Path) -> list[Path]:
+    """State directories of the other local clusters whose slurmctld still runs."""
+    up = []
+    for state_file in BASE_DIR.glob("local-slurm*/state.json"):
+        if state_file.parent == state_dir:
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            state = json.loads(state_file.read_text())
+            ctld, starter = state.get("slurmctld_pid"), state.get("starter_pid")
+            if alive(int(ctld or -1)) or (not ctld and alive(int(starter or -1))):
+                up.append(state_file.parent)
+    return up

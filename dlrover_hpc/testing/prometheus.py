@@ -37,13 +37,12 @@ from typing import Any
 import psutil
 
 from dlrover_hpc.errors import DlroverHpcError
-from dlrover_hpc.testing.commands import run_checked
+from dlrover_hpc.testing.commands import apt_install
 from dlrover_hpc.testing.wait import wait_for
 
 log = logging.getLogger(__name__)
 
 PACKAGE = "prometheus"
-_POLICY_RC = Path("/usr/sbin/policy-rc.d")
 # Plain urllib, but never through a proxy named in the environment.
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -63,32 +62,23 @@ def _prometheus_pids() -> set[int]:
 def ensure_installed(*, timeout_s: float = 600.0) -> str:
     """Path of the ``prometheus`` binary; install Debian's package first when it is missing.
 
-    A ``policy-rc.d`` that denies every action (unless one is already there) keeps the
-    package's maintainer scripts from starting its service; a server they start anyway
-    is stopped again, with a warning.
+    The package's maintainer scripts may not start its service (``apt_install``); a server
+    they start anyway is stopped again, with a warning.
     """
     found = shutil.which("prometheus")
     if found:
         return found
     if os.geteuid() != 0:
         raise PrometheusError("prometheus is not installed; install Debian's prometheus as root")
-    log.info("installing Debian's %s package", PACKAGE)
     before = _prometheus_pids()
-    ours = not _POLICY_RC.exists()
-    if ours:  # Debian's way to keep a package's postinst from starting the daemon
-        _POLICY_RC.write_text("#!/bin/sh\nexit 101\n")
-        _POLICY_RC.chmod(0o755)
-    apt = ["env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "-qq"]
-    apt += ["-o", f"DPkg::Lock::Timeout={int(timeout_s)}"]  # another apt may be running
-    try:
-        for argv in (
-            [*apt, "update"],
-            [*apt, "install", "-y", "--no-install-recommends", PACKAGE],
-        ):
-            run_checked(argv, error=PrometheusError, timeout_s=timeout_s)
-    finally:
-        if ours:
-            _POLICY_RC.unlink(missing_ok=True)
+    if apt_install(
+        [PACKAGE],
+        present=("prometheus",),
+        error=PrometheusError,
+        recommends=False,
+        timeout_s=timeout_s,
+    ):
+        log.info("installed Debian's %s package", PACKAGE)
     _stop_strays(_prometheus_pids() - before)
     found = shutil.which("prometheus")
     if not found:

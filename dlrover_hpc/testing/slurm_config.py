@@ -17,14 +17,26 @@ TOPOLOGY_CONF = Path("/etc/slurm/topology.conf")
 MARK = "# written by dlrover-hpc local-slurm"
 
 
+#: Where every local cluster keeps its state: ``local-slurm`` for cluster 0, ``local-slurmN``.
+BASE_DIR = Path("/var/lib/dlrover-hpc")
+MAX_INDEX = 99
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class LocalSlurmConfig:
-    """How the local cluster looks.  Addresses are ``<subnet>.<index>``, the bridge ``.254``."""
+    """How the local cluster looks.  Addresses are ``<subnet>.<index>``, the bridge ``.254``.
+
+    ``index`` tells several clusters on this machine apart (one per test worker side by side):
+    cluster 0 is the default one (``/etc/slurm/slurm.conf``, ``dlhpc-br0``, 10.77.0.0/24);
+    cluster N has its own name, state directory, ``slurm.conf`` (``SLURM_CONF`` points the
+    Slurm commands at it), controller port, first job id, bridges, subnets (10.77.N, 10.78.N)
+    and namespace names, so that nothing of one is seen by the other.  Node names are the same
+    in every cluster (each node resolves the others through its own ``/etc/hosts``).
+    """
 
     nodes: int = 4
     prefix: str = "node"
-    subnet: str = "10.77.0"
-    state_dir: Path = Path("/var/lib/dlrover-hpc/local-slurm")
+    index: int = 0
     cpus_per_node: int = 8
     memory_mb_per_node: int = 4096
     shm_size: str = "2g"
@@ -35,6 +47,8 @@ class LocalSlurmConfig:
             raise LocalSlurmError(f"--nodes {self.nodes}: expected 1 to 200 nodes")
         if not self.prefix.isidentifier():
             raise LocalSlurmError(f"node prefix {self.prefix!r}: use letters and digits only")
+        if not 0 <= self.index <= MAX_INDEX:
+            raise LocalSlurmError(f"cluster index {self.index}: expected 0 to {MAX_INDEX}")
 
     def node_names(self) -> list[str]:
         return [f"{self.prefix}{i}" for i in range(1, self.nodes + 1)]
@@ -42,20 +56,68 @@ class LocalSlurmConfig:
     def address(self, node: str) -> str:
         return f"{self.subnet}.{int(node.removeprefix(self.prefix))}"
 
-    data_subnet: str = "10.78.0"
+    @property
+    def tag(self) -> str:
+        """What the names of cluster N carry ("" for the default cluster 0)."""
+        return str(self.index) if self.index else ""
+
+    @property
+    def cluster_name(self) -> str:
+        return f"dlrover-local{self.tag}"
+
+    @property
+    def state_dir(self) -> Path:
+        return BASE_DIR / f"local-slurm{self.tag}"
+
+    @property
+    def slurm_conf(self) -> Path:
+        """``slurm.conf``: Slurm's default path for cluster 0, else in the state directory."""
+        return SLURM_CONF if not self.index else self.state_dir / "etc" / "slurm.conf"
+
+    @property
+    def topology_conf(self) -> Path:
+        """Slurm reads ``topology.conf`` beside ``slurm.conf``."""
+        return self.slurm_conf.with_name("topology.conf")
+
+    @property
+    def controller_port(self) -> int:
+        return 6817 if not self.index else 7000 + self.index
+
+    @property
+    def first_job_id(self) -> int:
+        """Job ids of two clusters never meet (names in /tmp carry the job id and the node)."""
+        return 1 + 100_000 * self.index
+
+    @property
+    def subnet(self) -> str:
+        return f"10.77.{self.index}"
+
+    @property
+    def data_subnet(self) -> str:
+        return f"10.78.{self.index}"
 
     @property
     def bridge(self) -> str:
-        return "dlhpc-br0"
+        return f"dlhpc{self.tag}-br0"
 
     @property
     def data_bridge(self) -> str:
         """A second network ("the fabric", eth1 in each node) that can fail on its own."""
-        return "dlhpc-br1"
+        return f"dlhpc{self.tag}-br1"
 
     @property
     def controller_address(self) -> str:
         return f"{self.subnet}.254"
+
+    def netns(self, node: str) -> str:
+        """The node's network namespace (``/run/netns/NAME``)."""
+        return f"dlhpc{self.tag}-{node}"
+
+    def veth(self, node: str, net: str = "control") -> str:
+        """Host side of a node's link: ``control`` (eth0: Slurm, master) or ``data`` (eth1)."""
+        if net not in ("control", "data"):
+            raise LocalSlurmError(f"network {net!r}: expected 'control' or 'data'")
+        return f"dlhpc{self.tag}{'-v' if net == 'control' else '-d'}{node}"[:15]
 
 
 def slurm_conf_text(cfg: LocalSlurmConfig, *, host: str) -> str:
@@ -68,8 +130,10 @@ def slurm_conf_text(cfg: LocalSlurmConfig, *, host: str) -> str:
     ]
     hostlist = f"{cfg.prefix}[1-{cfg.nodes}]" if cfg.nodes > 1 else f"{cfg.prefix}1"
     return f"""{MARK}; 'dlrover-hpc local-slurm down' removes it
-ClusterName=dlrover-local
+ClusterName={cfg.cluster_name}
 SlurmctldHost={host}({cfg.controller_address})
+SlurmctldPort={cfg.controller_port}
+FirstJobId={cfg.first_job_id}
 AuthType=auth/munge
 CredType=cred/munge
 SlurmUser=root

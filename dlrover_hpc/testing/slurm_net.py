@@ -8,20 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dlrover_hpc.errors import LocalSlurmError
 from dlrover_hpc.testing.slurm_config import LocalSlurmConfig
 from dlrover_hpc.testing.slurm_procs import alive, run
-
-
-def netns_name(node: str) -> str:
-    return f"dlhpc-{node}"
-
-
-def veth_host(node: str, net: str = "control") -> str:
-    """Host side of a node's link: ``control`` (eth0: Slurm, master) or ``data`` (eth1)."""
-    if net not in ("control", "data"):
-        raise LocalSlurmError(f"network {net!r}: expected 'control' or 'data'")
-    return (f"dlhpc-v{node}" if net == "control" else f"dlhpc-d{node}")[:15]
 
 
 def ifname(net: str) -> str:
@@ -38,13 +26,13 @@ def setup_network(cfg: LocalSlurmConfig) -> None:
             run(["ip", "addr", "add", f"{subnet}.254/24", "dev", br])
         run(["ip", "link", "set", br, "up"])
     for node in cfg.node_names():
-        ns = netns_name(node)
+        ns = cfg.netns(node)
         if not Path(f"/run/netns/{ns}").exists():
             run(["ip", "netns", "add", ns])
         run(["ip", "-n", ns, "link", "set", "lo", "up"])
         index = cfg.address(node).rsplit(".", 1)[1]
         for net, br, subnet in nets:
-            veth, inner = veth_host(node, net), ifname(net)
+            veth, inner = cfg.veth(node, net), ifname(net)
             if not Path(f"/sys/class/net/{veth}").exists():
                 run(["ip", "link", "add", veth, "type", "veth", "peer", "name", inner, "netns", ns])
             run(["ip", "link", "set", veth, "master", br, "up"])
@@ -55,43 +43,43 @@ def setup_network(cfg: LocalSlurmConfig) -> None:
 def remove_network(cfg: LocalSlurmConfig, nodes: list[str]) -> None:
     """Delete the nodes' namespaces and links, then both bridges; what is already gone is fine."""
     for node in nodes:
-        ns = netns_name(node)
+        ns = cfg.netns(node)
         if Path(f"/run/netns/{ns}").exists():
             run(["ip", "netns", "del", ns], check=False)
         for net in ("control", "data"):
-            if Path(f"/sys/class/net/{veth_host(node, net)}").exists():
-                run(["ip", "link", "del", veth_host(node, net)], check=False)
+            if Path(f"/sys/class/net/{cfg.veth(node, net)}").exists():
+                run(["ip", "link", "del", cfg.veth(node, net)], check=False)
     for br in (cfg.bridge, cfg.data_bridge):
         if Path(f"/sys/class/net/{br}").exists():
             run(["ip", "link", "del", br], check=False)
 
 
-def netns_pids(node: str) -> list[int]:
+def netns_pids(cfg: LocalSlurmConfig, node: str) -> list[int]:
     """Live processes in the node's network namespace (empty when it has none)."""
-    ns = netns_name(node)
+    ns = cfg.netns(node)
     if not Path(f"/run/netns/{ns}").exists():
         return []
     out = run(["ip", "netns", "pids", ns], check=False)
     return [int(p) for p in out.split() if p.isdigit() and alive(int(p))]
 
 
-def cut_link(node: str, *, net: str) -> None:
-    run(["ip", "link", "set", veth_host(node, net), "down"])
+def cut_link(cfg: LocalSlurmConfig, node: str, *, net: str) -> None:
+    run(["ip", "link", "set", cfg.veth(node, net), "down"])
 
 
 def heal_link(cfg: LocalSlurmConfig, node: str, *, net: str) -> None:
     bridge = cfg.bridge if net == "control" else cfg.data_bridge
-    run(["ip", "link", "set", veth_host(node, net), "up"])
-    run(["ip", "link", "set", veth_host(node, net), "master", bridge])
+    run(["ip", "link", "set", cfg.veth(node, net), "up"])
+    run(["ip", "link", "set", cfg.veth(node, net), "master", bridge])
 
 
-def slow_link(node: str, *, rate: str, net: str) -> None:
+def slow_link(cfg: LocalSlurmConfig, node: str, *, rate: str, net: str) -> None:
     """Rate-limit the node's outgoing traffic (tbf; this kernel has no netem)."""
     run(
         [
             "tc",
             "-n",
-            netns_name(node),
+            cfg.netns(node),
             "qdisc",
             "replace",
             "dev",
@@ -108,5 +96,5 @@ def slow_link(node: str, *, rate: str, net: str) -> None:
     )
 
 
-def unslow_link(node: str, *, net: str) -> None:
-    run(["tc", "-n", netns_name(node), "qdisc", "del", "dev", ifname(net), "root"], check=False)
+def unslow_link(cfg: LocalSlurmConfig, node: str, *, net: str) -> None:
+    run(["tc", "-n", cfg.netns(node), "qdisc", "del", "dev", ifname(net), "root"], check=False)

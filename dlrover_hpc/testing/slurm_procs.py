@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -16,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dlrover_hpc.errors import LocalSlurmError
-from dlrover_hpc.testing.commands import run_checked
+from dlrover_hpc.testing.commands import apt_install, run_checked
 from dlrover_hpc.testing.wait import wait_for
 
 log = logging.getLogger(__name__)
@@ -24,9 +23,15 @@ log = logging.getLogger(__name__)
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 
 
-def run(argv: Sequence[str], *, check: bool = True, timeout_s: float = 60.0) -> str:
+def run(
+    argv: Sequence[str],
+    *,
+    check: bool = True,
+    timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> str:
     """stdout of ``argv``; :class:`LocalSlurmError` with its stderr when it fails."""
-    return run_checked(argv, error=LocalSlurmError, check=check, timeout_s=timeout_s)
+    return run_checked(argv, error=LocalSlurmError, check=check, timeout_s=timeout_s, env=env)
 
 
 def alive(pid: int) -> bool:
@@ -48,7 +53,7 @@ def wait(
         raise LocalSlurmError(str(exc)) from None
 
 
-def spawn(argv: Sequence[str], log_path: Path) -> int:
+def spawn(argv: Sequence[str], log_path: Path, *, env: dict[str, str] | None = None) -> int:
     """Start ``argv`` in its own session with stdout and stderr appended to ``log_path``."""
     logf = open(log_path, "ab")  # noqa: SIM115
     with logf:
@@ -58,6 +63,7 @@ def spawn(argv: Sequence[str], log_path: Path) -> int:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            env=env,
         )
     return proc.pid
 
@@ -76,15 +82,4 @@ def terminate(pid: int, grace_s: float = 5.0) -> None:
 
 def install_packages() -> None:
     """Install Slurm and munge from Debian packages when one of their binaries is missing."""
-    missing = [p for p in ("slurmctld", "slurmd", "srun", "munged") if not shutil.which(p)]
-    if not missing:
-        return
-    log.info("installing Slurm and munge from Debian packages missing=%s", missing)
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *PACKAGES]):
-        proc = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
-        if proc.returncode != 0:
-            raise LocalSlurmError(
-                f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}; "
-                f"install the Debian packages {' '.join(PACKAGES)} by hand"
-            )
+    apt_install(PACKAGES, present=("slurmctld", "slurmd", "srun", "munged"), error=LocalSlurmError)

@@ -32,10 +32,9 @@ from pathlib import Path
 import psutil
 
 from dlrover_hpc.errors import DlroverHpcError
-from dlrover_hpc.testing.commands import node_argv, run_checked
+from dlrover_hpc.testing.commands import apt_install, node_argv, run_checked
 
 SSHD = "/usr/sbin/sshd"
-_POLICY_RC = Path("/usr/sbin/policy-rc.d")
 
 
 class SshdClusterError(DlroverHpcError):
@@ -85,27 +84,7 @@ def _run(argv: Sequence[str], *, check: bool = True, timeout_s: float = 60.0) ->
 
 def ensure_openssh_server() -> None:
     """Install Debian's openssh-server when sshd is missing, without starting its service."""
-    if Path(SSHD).exists():
-        return
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    ours = not _POLICY_RC.exists()
-    if ours:  # Debian's way to keep a package's postinst from starting the daemon
-        _POLICY_RC.write_text("#!/bin/sh\nexit 101\n")
-        _POLICY_RC.chmod(0o755)
-    try:
-        for argv in (
-            ["apt-get", "update", "-qq"],
-            ["apt-get", "install", "-y", "-qq", "openssh-server"],
-        ):
-            proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
-            if proc.returncode != 0:
-                raise SshdClusterError(
-                    f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}; "
-                    "install Debian's openssh-server by hand"
-                )
-    finally:
-        if ours:
-            _POLICY_RC.unlink(missing_ok=True)
+    apt_install(["openssh-server"], present=(SSHD,), error=SshdClusterError)
 
 
 class SshdCluster:

@@ -50,6 +50,7 @@ def test_resubmission_keeps_the_jobs_shape_and_drops_its_identity() -> None:
     environ = {
         "SLURM_JOB_ID": "1",
         "SLURM_NODELIST": "node1",
+        "SLURM_CONF": "/site/slurm.conf",  # the user's choice of cluster: kept
         "SBATCH_SIGNAL": "x",
         "DLROVER_HPC_JOB_DIR": "/w/.dlrover-hpc/1",
         "DLROVER_HPC_TOKEN": "t",

@@ -20,9 +20,11 @@ from runtime_helpers import BIN, TRAIN, events, named
 from dlrover_hpc.testing import wait_for
 from dlrover_hpc.testing.sshd import SshdCluster, SshdClusterConfig, netns_name
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0, reason="SSH hosts in network namespaces need root"
-)
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="SSH hosts in network namespaces need root"),
+    # One worker runs the module side by side with others: its hosts' bridge has one name.
+    pytest.mark.xdist_group("sshd"),
+]
 
 
 @pytest.fixture(scope="module")

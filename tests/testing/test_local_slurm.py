@@ -104,11 +104,12 @@ def test_tcp_from_one_node_namespace_to_another(local_slurm: LocalSlurm) -> None
 
 
 def test_cut_link_then_heal(local_slurm: LocalSlurm) -> None:
+    controller = local_slurm.config.controller_address
     probe = [
         *local_slurm.node_exec_argv("node2"),
         "python3",
         "-c",
-        "import socket; socket.create_connection(('10.77.0.254', 1), timeout=2)",
+        f"import socket; socket.create_connection(('{controller}', 1), timeout=2)",
     ]
     # Link up: the controller's address answers (connection refused on port 1, not a timeout).
     up = subprocess.run(probe, capture_output=True, text=True, timeout=30)
@@ -127,7 +128,7 @@ def test_slow_link_limits_rate(local_slurm: LocalSlurm) -> None:
     local_slurm.slow_link("node4", rate="1mbit")
     try:
         out = subprocess.run(
-            ["tc", "-n", "dlhpc-node4", "qdisc", "show", "dev", "eth0"],
+            ["tc", "-n", local_slurm.config.netns("node4"), "qdisc", "show", "dev", "eth0"],
             capture_output=True,
             text=True,
             timeout=10,
@@ -137,7 +138,7 @@ def test_slow_link_limits_rate(local_slurm: LocalSlurm) -> None:
     finally:
         local_slurm.unslow_link("node4")
     out = subprocess.run(
-        ["tc", "-n", "dlhpc-node4", "qdisc", "show", "dev", "eth0"],
+        ["tc", "-n", local_slurm.config.netns("node4"), "qdisc", "show", "dev", "eth0"],
         capture_output=True,
         text=True,
         timeout=10,
