@@ -27,7 +27,7 @@ _slurm: LocalSlurm | None = None
 
 
 #: Whole jobs and real servers (``make test-fast`` leaves them out with ``-m 'not runtime'``).
-RUNTIME = ("tests/runtime/", "tests/ssh/", "tests/testing/test_prometheus.py")
+RUNTIME = ("tests/runtime/", "tests/ssh/test_launch.py", "tests/testing/test_prometheus.py")
 
 
 def _cluster_index() -> int:
@@ -37,6 +37,9 @@ def _cluster_index() -> int:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Many tiny ranks share two cores: intra-op threads would only spin against each other.
+    # (Inherited by every job the tests start: sbatch exports the environment.)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     index = _cluster_index()
     if index and os.geteuid() == 0:
         private_mounts()
@@ -44,14 +47,36 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The runtime tests first, so that side by side the long ones start early and the
-    short ones fill the gaps at the end; each test on a real Slurm is marked ``slurm``."""
+    """The runtime tests first, the longest of them before the others, so that side by side
+    the long ones start early and the short ones fill the gaps at the end.  Each test on a
+    real Slurm is marked ``slurm``, each whole job or real server ``runtime``."""
     for item in items:
         if "local_slurm" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slurm)
         if item.nodeid.startswith(RUNTIME):
             item.add_marker(pytest.mark.runtime)
-    items.sort(key=lambda item: 0 if item.nodeid.startswith("tests/runtime/") else 1)
+    items.sort(key=_order)
+
+
+#: The longest files first (a chaos job of 5 minutes, the time-limit continuation of 4): side
+#: by side, the run ends when its longest test ends unless that test starts early.
+LONGEST_FIRST = (
+    "tests/runtime/test_chaos.py",
+    "tests/runtime/test_continuation.py",
+    "tests/ssh/test_launch.py",  # one worker runs the whole module (xdist_group): about 3 minutes
+    "tests/runtime/test_report.py",
+    "tests/runtime/test_dlrover_examples.py",
+    "tests/runtime/test_elastic_batch.py",
+    "tests/runtime/test_hang.py",
+    "tests/runtime/test_sharding.py",
+)
+
+
+def _order(item: pytest.Item) -> int:
+    for i, prefix in enumerate(LONGEST_FIRST):
+        if item.nodeid.startswith(prefix):
+            return i
+    return len(LONGEST_FIRST) + (0 if item.nodeid.startswith(RUNTIME) else 1)
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,10 @@ from dlrover_hpc.slurm.env import parse_slurm_env
 
 log = logging.getLogger(__name__)
 
+#: How long the first workers wait for the pre-warmed interpreter (its `import torch`) before
+#: they start as fresh interpreters instead.
+ZYGOTE_WAIT_S = 30.0
+
 
 class Agent:
     def __init__(
@@ -246,6 +250,12 @@ class Agent:
         self.diagnoser.workers_starting()
         if self.saver is not None:
             self.saver.set_replica_peers(a.node_rank, a.replica_peers)
+        if self.zygote is not None and not self.config.no_python:
+            # One `import torch` on the node, not one more per worker: the pre-warmed
+            # interpreter started with the agent and imports while the rendezvous runs; when it
+            # is not done yet, wait for it (bounded) rather than start every worker afresh.
+            with contextlib.suppress(OSError, ValueError):  # it stopped meanwhile
+                await asyncio.to_thread(self.zygote.ready, ZYGOTE_WAIT_S)
         pids = self.workers.start(a, env)
         self.watchdog.start_round(
             {lr: (a.rank_offset + lr, pid, progress_file.format(lr)) for lr, pid in pids.items()}

@@ -24,7 +24,10 @@ from runtime_helpers import BIN, events, named
 from dlrover_hpc.agent.watchdog import sweep_stale
 from dlrover_hpc.testing import wait_for
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.runtime,
+]
 
 # argv: OUT_DIR MODE.  MODE "zygote": only a worker forked from the zygote (its parent)
 # reports; the others wait until the zygote listens and fail, so the restart comes from it.

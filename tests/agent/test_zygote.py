@@ -31,6 +31,8 @@ if mode == "sleep":
     time.sleep(60)
 """
 
+pytestmark = pytest.mark.runtime  # whole agents and workers: not in make test-fast
+
 
 @pytest.fixture
 def zygote(tmp_path: Path) -> Iterator[Zygote]:

@@ -17,7 +17,10 @@ import pytest
 from dlrover_hpc.checkpoint.crash_trials import run_trials
 from dlrover_hpc.checkpoint.testing import job_segments, remove_job_segments
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [
+    pytest.mark.timeout(240),
+    pytest.mark.runtime,
+]
 
 #: Re-run a failed trial set: ``DLROVER_HPC_CRASH_SEED=<seed printed by the failure> pytest ...``
 #: replays the same kill points (the timed kills of every fourth trial only approximately).

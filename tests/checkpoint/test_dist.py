@@ -16,7 +16,10 @@ import pytest
 
 from dlrover_hpc.checkpoint.testing import remove_job_segments
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.runtime,
+]
 REPO = Path(__file__).resolve().parents[2]
 
 RANK_SCRIPT = """

@@ -31,7 +31,10 @@ from dlrover_hpc.checkpoint.testing import (
     remove_job_segments,
 )
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.runtime,
+]
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """

@@ -18,6 +18,8 @@ pytestmark = pytest.mark.slurm
 KINDS = (FaultKind.AGENT_KILL, FaultKind.LINK_CUT, FaultKind.WORKER_KILL, FaultKind.NODE_CRASH)
 
 
+# About 5 minutes alone; side by side with other tests it ran past pytest's 300 s default.
+@pytest.mark.timeout(900)
 def test_job_under_a_fault_stream_loses_nothing(local_slurm: LocalSlurm, shared_tmp: Path) -> None:
     report = run_soak(
         local_slurm,

@@ -85,8 +85,12 @@ def test_torchrun_tutorial_script_runs_and_recovers(
         assert "names none of this job's nodes" in out
     assert stat.S_IMODE(job_dir.stat().st_mode) == 0o700
     assert stat.S_IMODE((job_dir / "token").stat().st_mode) == 0o600
-    [failed] = named(evs, "worker_failed")
+    # The killed rank is the one failure; on a loaded machine its peers may see the closed
+    # connection before their agents stop them, reported as failures of kind "peer".
+    failures = named(evs, "worker_failed")
+    [failed] = [e for e in failures if e["classification"] != "peer"]
     assert failed["signal"] == "SIGKILL" and failed["rank"] == 1
+    assert all(e["rank"] != 1 for e in failures if e["classification"] == "peer"), failures
     assert named(evs, "workers_restarted"), out[-3000:]
     assert sorted(named(evs, "rendezvous_complete")[-1]["nodes"]) == ["node1", "node2", "node3"]
     result = json.loads((shared_tmp / "result.json").read_text())

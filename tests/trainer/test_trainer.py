@@ -353,6 +353,7 @@ def drive(root: str) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.runtime  # seven real ranks: not in make test-fast
 def test_gloo_ranks_4_then_3_train_as_one_large_batch(tmp_path: Path) -> None:
     """4 DDP ranks (3 micro-steps of 2 per step) take 2 steps of the global batch 24 and
     checkpoint; 3 ranks (4 micro-steps) resume and finish the epoch of 96.  Each step's
