@@ -4,6 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 NODES  ?= 4
 # Test workers side by side, each with a local Slurm of its own (tests/conftest.py).
+# --dist loadgroup hands out one test at a time (no test is grouped), in collection order: the
+# longest first (tests/conftest.py), so the short ones fill the gaps at the end.
 WORKERS ?= 3
 PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup --durations=10
 

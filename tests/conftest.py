@@ -63,7 +63,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 LONGEST_FIRST = (
     "tests/runtime/test_chaos.py",
     "tests/runtime/test_continuation.py",
-    "tests/ssh/test_launch.py",  # one worker runs the whole module (xdist_group): about 3 minutes
+    "tests/ssh/test_launch.py",  # each worker that runs one brings up 4 SSH hosts of its own
     "tests/runtime/test_report.py",
     "tests/runtime/test_dlrover_examples.py",
     "tests/runtime/test_elastic_batch.py",

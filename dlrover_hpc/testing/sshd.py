@@ -48,6 +48,9 @@ class SshdClusterConfig:
     prefix: str = "host"
     subnet: str = "10.79.0"
     bridge: str = "dlhpc-sshbr"
+    #: The host side of each host's link is ``<veth_prefix><host>``: clusters side by side
+    #: (test workers) need a bridge, a subnet and a prefix of their own.
+    veth_prefix: str = "dlhpc-sv"
     shm_size: str = "1g"
 
     def __post_init__(self) -> None:
@@ -69,13 +72,12 @@ class SshdClusterConfig:
         """This machine's address on the bridge (the launcher's, as the hosts see it)."""
         return f"{self.subnet}.254"
 
+    def veth(self, host: str) -> str:
+        return f"{self.veth_prefix}{host}"[:15]
+
 
 def netns_name(host: str) -> str:
     return f"dlhpc-ssh-{host}"
-
-
-def _veth(host: str) -> str:
-    return f"dlhpc-sv{host}"[:15]
 
 
 def _run(argv: Sequence[str], *, check: bool = True, timeout_s: float = 60.0) -> str:
@@ -192,7 +194,7 @@ LogLevel INFO
             _run(["ip", "addr", "add", f"{cfg.gateway}/24", "dev", br])
         _run(["ip", "link", "set", br, "up"])
         for host in self.hosts:
-            ns, veth = netns_name(host), _veth(host)
+            ns, veth = netns_name(host), cfg.veth(host)
             if not Path(f"/run/netns/{ns}").exists():
                 _run(["ip", "netns", "add", ns])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
@@ -256,8 +258,8 @@ LogLevel INFO
         for host in self.hosts:
             if Path(f"/run/netns/{netns_name(host)}").exists():
                 _run(["ip", "netns", "del", netns_name(host)], check=False)
-            if Path(f"/sys/class/net/{_veth(host)}").exists():
-                _run(["ip", "link", "del", _veth(host)], check=False)
+            if Path(f"/sys/class/net/{self.config.veth(host)}").exists():
+                _run(["ip", "link", "del", self.config.veth(host)], check=False)
         if Path(f"/sys/class/net/{self.config.bridge}").exists():
             _run(["ip", "link", "del", self.config.bridge], check=False)
 
@@ -299,11 +301,11 @@ LogLevel INFO
     # ------------------------------------------------------- fault injection
     def cut_link(self, host: str) -> None:
         """Take the host's link down: nothing reaches it, it reaches nothing."""
-        _run(["ip", "link", "set", _veth(host), "down"])
+        _run(["ip", "link", "set", self.config.veth(host), "down"])
 
     def heal_link(self, host: str) -> None:
-        _run(["ip", "link", "set", _veth(host), "up"])
-        _run(["ip", "link", "set", _veth(host), "master", self.config.bridge])
+        _run(["ip", "link", "set", self.config.veth(host), "up"])
+        _run(["ip", "link", "set", self.config.veth(host), "master", self.config.bridge])
 
     def write_known_hosts(self, path: Path, hosts: Sequence[str]) -> Path:
         """A known_hosts file that trusts only ``hosts``."""

@@ -20,22 +20,33 @@ from runtime_helpers import BIN, TRAIN, events, named
 from dlrover_hpc.testing import wait_for
 from dlrover_hpc.testing.sshd import SshdCluster, SshdClusterConfig, netns_name
 
-pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0, reason="SSH hosts in network namespaces need root"),
-    # One worker runs the module side by side with others: its hosts' bridge has one name.
-    pytest.mark.xdist_group("sshd"),
-]
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="SSH hosts in network namespaces need root"
+)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdCluster]:
     """Four hosts (host1..host4) with sshd and key authentication, for the whole module."""
-    hosts = SshdCluster(SshdClusterConfig(hosts=4, state_dir=tmp_path_factory.mktemp("sshd")))
+    # Test workers side by side (pytest -n) each bring up their own: a bridge, subnet and
+    # link names of their own (the namespaces are private to the worker, tests/conftest.py).
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    k = int(worker.removeprefix("gw")) + 1 if worker.startswith("gw") else 0
+    config = SshdClusterConfig(
+        hosts=4,
+        state_dir=tmp_path_factory.mktemp("sshd"),
+        **(
+            {"bridge": f"dlhpc{k}-sshbr", "subnet": f"10.79.{k}", "veth_prefix": f"dlhpc{k}s"}
+            if k
+            else {}
+        ),
+    )
+    hosts = SshdCluster(config)
     hosts.up()
     yield hosts
     hosts.down()
     left = [n for n in os.listdir("/run/netns") if n.startswith("dlhpc-ssh-")]
-    assert not left and not Path("/sys/class/net/dlhpc-sshbr").exists(), left
+    assert not left and not Path(f"/sys/class/net/{config.bridge}").exists(), left
 
 
 class Launch:
@@ -286,7 +297,7 @@ def test_hardware_fault_blocklists_the_host(cluster: SshdCluster, tmp_path: Path
 # ------------------------------------------------------------------ errors
 @pytest.mark.parametrize("how", ["no-such-address", "link-down"])
 def test_unreachable_host_is_named(cluster: SshdCluster, tmp_path: Path, how: str) -> None:
-    bad = "10.79.0.99" if how == "no-such-address" else "host3"
+    bad = f"{cluster.config.subnet}.99" if how == "no-such-address" else "host3"
     if how == "link-down":
         cluster.cut_link("host3")
     try:
