@@ -19,7 +19,7 @@ import pytest
 
 from dlrover_hpc.checkpoint.testing import remove_job_segments
 from dlrover_hpc.testing import LocalSlurm, LocalSlurmConfig
-from dlrover_hpc.testing.isolation import private_mounts
+from dlrover_hpc.testing.isolation import private_mounts, worker_index
 from dlrover_hpc.testing.leaks import take_snapshot, wait_no_leaks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,17 +30,11 @@ _slurm: LocalSlurm | None = None
 RUNTIME = ("tests/runtime/", "tests/ssh/test_launch.py", "tests/testing/test_prometheus.py")
 
 
-def _cluster_index() -> int:
-    """0 alone; worker ``gwK`` of ``pytest -n N`` uses cluster K+1."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    return int(worker.removeprefix("gw")) + 1 if worker.startswith("gw") else 0
-
-
 def pytest_configure(config: pytest.Config) -> None:
     # Many tiny ranks share two cores: intra-op threads would only spin against each other.
     # (Inherited by every job the tests start: sbatch exports the environment.)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    index = _cluster_index()
+    index = worker_index()
     if index and os.geteuid() == 0:
         private_mounts()
         os.environ["SLURM_CONF"] = str(LocalSlurmConfig(index=index).slurm_conf)
@@ -85,7 +79,7 @@ def local_slurm() -> Iterator[LocalSlurm]:
     global _slurm
     if os.geteuid() != 0:
         pytest.skip("the local multi-node Slurm needs root (namespaces, daemons)")
-    cluster = LocalSlurm(LocalSlurmConfig(nodes=4, index=_cluster_index()))
+    cluster = LocalSlurm(LocalSlurmConfig(nodes=4, index=worker_index()))
     was_up = cluster.is_up()
     cluster.up()
     _slurm = cluster

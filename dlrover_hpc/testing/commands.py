@@ -70,9 +70,11 @@ def node_argv(
 
 
 @contextlib.contextmanager
-def _apt_lock() -> Iterator[None]:
-    APT_LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with open(APT_LOCK, "a") as f:
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created with its directory) for the block:
+    one test worker at a time in it, whichever process of which worker asks."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         yield
 
@@ -98,7 +100,7 @@ def apt_install(
 
     if not missing():
         return False
-    with _apt_lock():
+    with file_lock(APT_LOCK):
         if not missing():
             return False
         ours = not _POLICY_RC.exists()

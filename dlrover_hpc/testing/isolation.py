@@ -18,6 +18,15 @@ import subprocess
 from dlrover_hpc.errors import DlroverHpcError
 
 _CLONE_NEWNS = 0x00020000
+
+
+def worker_index() -> int:
+    """0 for a test run alone; worker ``gwK`` of ``pytest -n N`` is K+1 (its local Slurm's
+    cluster index, and what its SSH hosts' names carry)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(worker.removeprefix("gw")) + 1 if worker.startswith("gw") else 0
+
+
 #: Each private path and the mode of its tmpfs.
 PRIVATE = {"/dev/shm": "1777", "/run/netns": "755"}
 

@@ -17,7 +17,6 @@ This module runs the cluster's life cycle; the configuration and its files are i
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -26,12 +25,12 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from dlrover_hpc.errors import LocalSlurmError
 from dlrover_hpc.testing import slurm_net
-from dlrover_hpc.testing.commands import node_argv
+from dlrover_hpc.testing.commands import file_lock, node_argv
 from dlrover_hpc.testing.slurm_config import (
     BASE_DIR,
     MARK,
@@ -112,8 +111,7 @@ class LocalSlurm:
             say(f"network namespaces for {self.config.nodes} nodes")
             slurm_net.setup_network(self.config)
             say("munged, slurmctld")
-            state["munged_pid"] = self._start_munged()
-            self._save_state(state)
+            self._start_munged()
             state["slurmctld_pid"] = self._start_slurmctld()
             self._save_state(state)
             for i, node in enumerate(self.config.node_names(), 1):
@@ -159,27 +157,26 @@ class LocalSlurm:
     def _answers(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
         return subprocess.run(argv, capture_output=True, text=True, timeout=10, env=self.env)
 
-    def _start_munged(self) -> int | None:
+    def _start_munged(self) -> None:
         """One munged for every local cluster: the first one up starts it (under a lock: test
         workers bring theirs up side by side), the last one down stops it (:meth:`down`)."""
         sock = Path("/run/munge/munge.socket.2")
-        with _munge_lock():
+        with file_lock(MUNGED_LOCK):
             if (
                 sock.exists()
                 and subprocess.run(["munge", "-n"], capture_output=True).returncode == 0
             ):
-                return None  # a munged already answers (another cluster's, or not ours)
+                return  # a munged already answers (another cluster's, or not ours)
             Path("/run/munge").mkdir(parents=True, exist_ok=True)
             shutil.chown("/run/munge", "munge", "munge")
             argv = ["runuser", "-u", "munge", "--", "munged", "--foreground"]
             pid = spawn(argv, BASE_DIR / "munged.log", env=self.env)
             wait(lambda: sock.exists(), timeout_s=10, what="munged's socket")
             MUNGED_PID.write_text(str(pid))
-            return pid
 
     def _stop_munged(self) -> None:
         """Stop the munged a local cluster started, unless another cluster still runs."""
-        with _munge_lock():
+        with file_lock(MUNGED_LOCK):
             try:
                 pid = int(MUNGED_PID.read_text())
             except (FileNotFoundError, ValueError):
@@ -350,13 +347,7 @@ class LocalSlurm:
 
 MUNGED_PID = BASE_DIR / "munged.pid"
 
-
-@contextlib.contextmanager
-def _munge_lock() -> Iterator[None]:
-    BASE_DIR.mkdir(parents=True, exist_ok=True)
-    with open(BASE_DIR / "munged.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
+MUNGED_LOCK = BASE_DIR / "munged.lock"
 
 
 def other_clusters_up(state_dir: Path) -> list[Path]:

@@ -18,6 +18,7 @@ import pytest
 from runtime_helpers import BIN, TRAIN, events, named
 
 from dlrover_hpc.testing import wait_for
+from dlrover_hpc.testing.isolation import worker_index
 from dlrover_hpc.testing.sshd import SshdCluster, SshdClusterConfig, netns_name
 
 pytestmark = pytest.mark.skipif(
@@ -30,8 +31,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdCluster]:
     """Four hosts (host1..host4) with sshd and key authentication, for the whole module."""
     # Test workers side by side (pytest -n) each bring up their own: a bridge, subnet and
     # link names of their own (the namespaces are private to the worker, tests/conftest.py).
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    k = int(worker.removeprefix("gw")) + 1 if worker.startswith("gw") else 0
+    k = worker_index()
     config = SshdClusterConfig(
         hosts=4,
         state_dir=tmp_path_factory.mktemp("sshd"),
