@@ -26,9 +26,11 @@ from dlrover_hpc.protocol.client import MasterClient
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=m.Message)
 
-#: Back-off between reconnect attempts: 0.25, 0.5, 1, 2, 2 ... seconds, each +-20 % so that
-#: hundreds of agents do not knock at once; short, since a restarted master is back in seconds.
-RETRY_FIRST_S, RETRY_MAX_S = 0.25, 2.0
+#: Back-off between reconnect attempts: 0.25, 0.5, 1, 1 ... seconds, each +-20 % so that
+#: thousands of agents do not knock at once; short, since a restarted master is back in seconds
+#: and every second the agents wait for it counts as the job's downtime.  A refused connect
+#: costs the master's host one SYN and one RST: 16k agents once a second is nothing.
+RETRY_FIRST_S, RETRY_MAX_S = 0.25, 1.0
 
 Connect = Callable[[asyncio.Queue[m.Message]], Awaitable[MasterClient]]
 Register = Callable[[MasterClient], Awaitable[None]]

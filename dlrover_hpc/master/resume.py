@@ -22,7 +22,7 @@ from dlrover_hpc.master.nodes import NodeRecord, NodeState
 log = logging.getLogger(__name__)
 
 #: How long a restarted master waits for a member of the running round to re-register (the
-#: agents retry every 2 s at most) before it counts it lost.
+#: agents retry every second at most) before it counts it lost.
 RESUME_GRACE_S = 10.0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 
@@ -10,16 +11,30 @@ class TorchStores:
     or ports (torchrun's gloo restarts fail exactly there)."""
 
     def __init__(self, keep: int = 2) -> None:
-        # Import torch now, not when the first round completes (it takes a second or two).
-        from torch.distributed import TCPStore
-
-        self._tcp_store = TCPStore
+        # Import torch now, not when the first round completes (it takes seconds on a loaded
+        # node), but in the background: a master restarted mid-round must answer its agents'
+        # re-registrations at once, and an adopted round needs no new store.
+        self._tcp_store: Any = None
+        self._import_error: BaseException | None = None
+        self._imported = threading.Thread(target=self._import, name="torch-import", daemon=True)
+        self._imported.start()
         self._stores: list[Any] = []
         self._keep = keep
+
+    def _import(self) -> None:
+        try:
+            from torch.distributed import TCPStore
+
+            self._tcp_store = TCPStore
+        except BaseException as e:  # raised again by the first new_store
+            self._import_error = e
 
     def new_store(self, round: int) -> int:
         from datetime import timedelta
 
+        self._imported.join()
+        if self._import_error is not None:
+            raise self._import_error
         store = self._tcp_store(
             "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
         )
