@@ -122,19 +122,52 @@ def check_link_timeout(value: float) -> None:
 DEFAULT_RECONNECT_TIMEOUT_S = 120.0
 
 
-#: ``--hang-timeout``: no rank of the job made progress for this long: dump every rank's stack,
-#: restart the workers (gloo's and NCCL's own collective timeout is 30 minutes too).
-DEFAULT_HANG_TIMEOUT_S = 1800.0
+#: ``--hang-timeout auto`` (the default): how long no rank may progress is learned from the
+#: job's own step times, with its own bound for each long phase (:mod:`dlrover_hpc.master.hangs`);
+#: a number of seconds is a fixed bound for everything; 0 is off.  ``auto`` is this sentinel.
+HANG_AUTO = -1.0
+#: With ``auto`` no bound is longer than this (gloo's and NCCL's own collective timeout).
+HANG_CEILING_S = 1800.0
+DEFAULT_HANG_TIMEOUT = "auto"
+
+
+def parse_hang_timeout(text: str, flag: str = "--hang-timeout") -> float:
+    """``auto`` (:data:`HANG_AUTO`), 0 (off) or a positive number of seconds."""
+    if text.strip().lower() == "auto":
+        return HANG_AUTO
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value >= 0 and math.isfinite(value)):  # -1 too: auto is spelt "auto"
+        raise ConfigError(
+            f"{flag}={text}: must be auto, 0 (off) or seconds, e.g. {flag}={HANG_CEILING_S:g}"
+        )
+    return value
+
+
+def describe_hang_timeout(value: float) -> str:
+    return "auto" if value == HANG_AUTO else ("off" if value == 0 else f"{value:g} s")
+
+
 #: ``--straggler-factor``: a rank whose forward takes this many times the median, for 30 s, is
 #: a runtime straggler.  Off by default: timing every module's forward cost 0-14 % (median of
 #: three runs 6.5 %) of a 7 ms step of a 16-layer toy MLP (benchmarks/hang_overhead.py).
 DEFAULT_STRAGGLER_FACTOR = 0.0
 
 
-def check_seconds(flag: str, value: float, example: float) -> None:
-    """0 (off) or a positive, finite number of seconds."""
+def check_seconds(
+    flag: str, value: float, example: float, *, auto: bool = False, text: str | None = None
+) -> None:
+    """0 (off) or a positive, finite number of seconds (or ``auto``, where ``auto`` is allowed)."""
+    if auto and value == HANG_AUTO:
+        return
     if not (value >= 0 and math.isfinite(value)):
-        raise ConfigError(f"{flag}={value:g}: must be 0 (off) or seconds, e.g. {flag}={example:g}")
+        shown = text if text is not None else f"{value:g}"
+        also = "auto, " if auto else ""
+        raise ConfigError(
+            f"{flag}={shown}: must be {also}0 (off) or seconds, e.g. {flag}={example:g}"
+        )
 
 
 def env_default(name: str, default: str | None, env: Mapping[str, str] | None = None) -> str | None:
@@ -164,7 +197,7 @@ class MasterConfig:
     replacement_sbatch: str | None = None  # template of replacement jobs; None: no replacements
     requeue: bool = True  # below MIN nodes for min_nodes_timeout_s: scontrol requeue (Slurm)
     embedded: bool = False  # runs inside an agent (no master step): said in master.json
-    #: ``--hang-timeout`` (0: take the agents'); :data:`DEFAULT_HANG_TIMEOUT_S` when none says
+    #: ``--hang-timeout`` (0: take the agents'; :data:`HANG_AUTO`: learned from the step times)
     hang_timeout_s: float = 0.0
     metrics_port: int = 0  # Prometheus metrics on http://HOST:PORT/metrics; 0: off
     #: time limits and preemption: new runs of the job (requeue or resubmission); 0: none
@@ -194,7 +227,7 @@ class MasterConfig:
                 f"heartbeat timeout {self.heartbeat_timeout_s} s"
             )
         check_link_timeout(self.link_timeout_s)
-        check_seconds("--hang-timeout", self.hang_timeout_s, DEFAULT_HANG_TIMEOUT_S)
+        check_seconds("--hang-timeout", self.hang_timeout_s, HANG_CEILING_S, auto=True)
         if self.max_continuations < 0:
             raise ConfigError(
                 f"--max-continuations={self.max_continuations}: must be 0 (never continue) or more"
@@ -246,7 +279,7 @@ class RunConfig:
     launch_argv: tuple[str, ...] = ()
     #: ``--rdzv-endpoint HOST[:PORT]``: with no master running, the agent on HOST embeds one
     rdzv_endpoint: str = ""
-    hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
+    hang_timeout_s: float = HANG_AUTO
     straggler_factor: float = DEFAULT_STRAGGLER_FACTOR  # 0: no forward timing
 
     def __post_init__(self) -> None:
@@ -258,7 +291,7 @@ class RunConfig:
             )
         if self.standalone and nnodes.max != 1:
             raise ConfigError(f"--standalone is for one node; got --nnodes={nnodes}")
-        check_seconds("--hang-timeout", self.hang_timeout_s, DEFAULT_HANG_TIMEOUT_S)
+        check_seconds("--hang-timeout", self.hang_timeout_s, HANG_CEILING_S, auto=True)
         if self.straggler_factor and not (1 < self.straggler_factor < math.inf):
             raise ConfigError(
                 f"--straggler-factor={self.straggler_factor:g}: must be 0 (off) or more than 1, "

@@ -7,8 +7,16 @@ nothing.
 
 Each rank owns one small record in node-local memory (``$DLROVER_HPC_PROGRESS_FILE``, in
 ``/dev/shm``), rewritten in place with one ``pwrite``: the step, the wall time, the seconds the
-step spent in the model's forward (from the module hooks, 0 when unknown), the process id and
-how many times progress was reported.  The agent reads it; nothing blocks training.
+step spent in the model's forward (from the module hooks, 0 when unknown), the process id, how
+many times progress was reported, the p99 of the rank's recent step times, and the newest
+step's compute and wait seconds (:mod:`dlrover_hpc.agent.worker_hooks` measures them).  The
+agent reads it; nothing blocks training.
+
+Long phases that are not hangs are *sections* (:func:`section`): a checkpoint save or restore,
+an evaluation, a data loader's first batch, or anything a script marks.  The innermost open
+section is written beside the record (its name, since when, and its own bound); the master
+gives it that bound instead of the one it learned from the step times, and steps that overlap
+a section are left out of those.
 
 The agent writes into the same record when the job must end at a step boundary (a time limit
 or a preemption, :func:`request_stop`): the step to stop at and the wall-clock deadline.  The
@@ -20,16 +28,28 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import struct
 import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 PATH_ENV = "DLROVER_HPC_PROGRESS_FILE"
-_RECORD = struct.Struct("<qddqq")  # step, time, forward_s, pid, count
+_RECORD = struct.Struct("<qddqqddd")  # step, time, forward_s, pid, count, p99_s, compute, wait
 _STOP = struct.Struct("<qd")  # the step to stop at, deadline (wall clock); written by the agent
 _STOP_AT = 64  # its offset in the record, after the worker's part
 _STOPPED = struct.Struct("<q")  # 1 + the step a rank stopped at for the notice (0: it did not)
 _STOPPED_AT = 80
+_SECTION = struct.Struct("<24sdd")  # name (empty: none), since (wall clock), bound_s (0: default)
+_SECTION_AT = 96
+
+#: Step times kept for the p99; the first steps of a process (warm-up) are not among them.
+STEP_WINDOW, WARMUP_STEPS, MIN_STEPS = 100, 2, 5
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,6 +59,19 @@ class Progress:
     forward_s: float  # seconds in the model's forward during that step (0: unknown)
     pid: int  # the training process (a zygote's worker is not the agent's child)
     count: int  # reports so far
+    p99_s: float = 0.0  # p99 of the recent step times, sections left out (0: too few yet)
+    compute_s: float = 0.0  # the newest step's own work: data, forward, backward, optimizer
+    wait_s: float = 0.0  # the newest step's wait for its peers (the gradients' all-reduce)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Section:
+    """A long phase a rank is in: ``name``, since ``since`` (wall clock), bounded by
+    ``bound_s`` (0: the master's default for that name)."""
+
+    name: str
+    since: float
+    bound_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -55,17 +88,71 @@ class _Reporter:
         self.path = ""
         self.step = 0
         self.count = 0
+        self._last_at = 0.0  # monotonic: the newest step's end
+        self._steps_seen = 0
+        self._times: deque[float] = deque(maxlen=STEP_WINDOW)
+        self._p99 = 0.0
+        self._sectioned = False  # a section was open since the newest step
+        self._sections: list[tuple[int, str, float, float]] = []  # (token, name, since, bound)
+        self._tokens = 0
+        self.clock = time.monotonic  # tests set their own
 
-    def write(self, step: int, forward_s: float) -> None:
+    def write(
+        self, step: int, forward_s: float, compute_s: float = 0.0, wait_s: float = 0.0
+    ) -> None:
         path = os.environ.get(PATH_ENV, "")
         if not path:
             return
         if path != self.path or os.getpid() != self._pid:  # first call, or a forked child
             self._open(path)
+        now = self.clock()
+        if step == self.step + 1 and self._last_at:
+            self._steps_seen += 1
+            if self._steps_seen > WARMUP_STEPS and not self._sectioned:
+                self._times.append(now - self._last_at)
+                if len(self._times) >= MIN_STEPS and (len(self._times) % 10 == 0 or not self._p99):
+                    ordered = sorted(self._times)
+                    self._p99 = ordered[int(0.99 * (len(ordered) - 1))]
+        self._last_at, self._sectioned = now, bool(self._sections)
         self.step, self.count = step, self.count + 1
-        record = _RECORD.pack(step, time.time(), forward_s, os.getpid(), self.count)
+        record = _RECORD.pack(
+            step, time.time(), forward_s, os.getpid(), self.count, self._p99, compute_s, wait_s
+        )
         with contextlib.suppress(OSError):  # progress must never break training
             os.pwrite(self.fd, record, 0)
+
+    def enter(self, name: str, bound_s: float) -> int:
+        self._tokens += 1
+        self._sections.append((self._tokens, name, time.time(), bound_s))
+        self._sectioned = True
+        self._write_section()
+        return self._tokens
+
+    def leave(self, token: int) -> None:
+        kept = [s for s in self._sections if s[0] != token]
+        if len(kept) != len(self._sections):
+            self._sections = kept
+            self._write_section()
+
+    def open_sections(self) -> list[str]:
+        return [name for _, name, _, _ in self._sections]
+
+    def _write_section(self) -> None:
+        path = os.environ.get(PATH_ENV, "")
+        if not path:
+            return
+        if path != self.path or os.getpid() != self._pid:
+            try:
+                self._open(path)
+            except OSError:
+                return
+        if self._sections:
+            _, name, since, bound = self._sections[-1]
+            data = _SECTION.pack(name.encode()[: _SECTION.size - 16], since, bound)
+        else:
+            data = _SECTION.pack(b"", 0.0, 0.0)
+        with contextlib.suppress(OSError):
+            os.pwrite(self.fd, data, _SECTION_AT)
 
     def stop(self) -> StopNotice | None:
         path = os.environ.get(PATH_ENV, "")
@@ -102,9 +189,55 @@ class _Reporter:
 _reporter = _Reporter()
 
 
-def step(n: int | None = None, *, forward_s: float = 0.0) -> None:
+def step(
+    n: int | None = None, *, forward_s: float = 0.0, compute_s: float = 0.0, wait_s: float = 0.0
+) -> None:
     """This rank finished step ``n`` (default: the step after the last one reported)."""
-    _reporter.write(_reporter.step + 1 if n is None else int(n), forward_s)
+    _reporter.write(_reporter.step + 1 if n is None else int(n), forward_s, compute_s, wait_s)
+
+
+@contextlib.contextmanager
+def section(name: str, *, timeout_s: float = 0.0) -> Iterator[None]:
+    """Marks a long phase that is not a hang, e.g. ``with progress.section("eval"): ...``.
+
+    While it is open the rank is held to the section's own bound: ``timeout_s`` when given,
+    else the master's default for ``name`` (``checkpoint``, ``eval``, ``data``, ``warmup``;
+    any other name gets the eval bound), and its use of the CPU counts as progress.  Steps
+    that overlap a section do not count towards the learned step time.  Nests; does nothing
+    outside ``dlrover-run``."""
+    if not (timeout_s >= 0 and timeout_s != float("inf")):
+        raise ValueError(
+            f"section {name!r}: timeout_s={timeout_s!r} must be 0 (default) or seconds"
+        )
+    token = _reporter.enter(name, float(timeout_s))
+    try:
+        yield
+    finally:
+        _reporter.leave(token)
+
+
+def sectioned(name: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """A decorator: the function runs in :func:`section` ``name``."""
+
+    def wrap(fn: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(fn)
+        def inner(*args: P.args, **kwargs: P.kwargs) -> R:
+            with section(name):
+                return fn(*args, **kwargs)
+
+        return inner
+
+    return wrap
+
+
+def enter_section(name: str, *, timeout_s: float = 0.0) -> int:
+    """:func:`section` for phases that do not fit a ``with`` block; returns a token for
+    :func:`leave_section`."""
+    return _reporter.enter(name, float(timeout_s))
+
+
+def leave_section(token: int) -> None:
+    _reporter.leave(token)
 
 
 def current() -> int:
@@ -158,3 +291,18 @@ def read(path: str | os.PathLike[str]) -> Progress | None:
         return None
     record = Progress(*_RECORD.unpack(data))
     return record if record.count > 0 else None  # only a stop request written yet
+
+
+def read_section(path: str | os.PathLike[str]) -> Section | None:
+    """The innermost section the rank whose record is at ``path`` is in, or None."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(_SECTION_AT)
+            data = f.read(_SECTION.size)
+    except OSError:
+        return None
+    if len(data) < _SECTION.size:
+        return None
+    raw, since, bound = _SECTION.unpack(data)
+    name = raw.rstrip(b"\0").decode(errors="replace")
+    return Section(name, since, bound) if name else None

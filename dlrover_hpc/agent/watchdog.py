@@ -1,13 +1,16 @@
 """The agent watches its workers make progress and reads their stacks (issue 13).
 
 A worker progresses when its progress record changes (an optimizer step, a flash-checkpoint
-save, an explicit ``dlrover_hpc.progress.step``) or, between those, when its Python stack
-changes; a worker that never reported a step (started without the zygote's hooks, no torch
-optimizer) also progresses while it uses CPU.  Stacks are read only while a worker's steps
-stall (every ``sample_s``), with py-spy as the job's own user; where the kernel forbids that
-(Yama ``ptrace_scope`` 2 or 3), the agent says so once and asks the worker itself
-(faulthandler on SIGUSR2, set up by :mod:`dlrover_hpc.agent.worker_hooks`).  A stopped process
-cannot answer that signal, so py-spy comes first.  Blocking: the agent calls it from a thread.
+save, an explicit ``dlrover_hpc.progress.step``, a section opened or closed) or, between those,
+when its Python stack changes; a worker inside a section (an evaluation, a checkpoint, a data
+loader's start), or one that never reported a step (started without the zygote's hooks, no
+torch optimizer), also progresses while it or its children (data-loader workers) use CPU.  Not
+outside sections: a rank that waits for a GPU collective may spin on a core.  Stacks are read
+only while a worker's steps stall (every ``sample_s``), with py-spy as the job's own user;
+where the kernel forbids that (Yama ``ptrace_scope`` 2 or 3), the agent says so once and asks
+the worker itself (faulthandler on SIGUSR2, set up by :mod:`dlrover_hpc.agent.worker_hooks`).
+A stopped process cannot answer that signal, so py-spy comes first.  Blocking: the agent
+calls it from a thread.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import psutil
 from dlrover_hpc import progress
 from dlrover_hpc.agent.master_link import MasterLink
 from dlrover_hpc.agent.worker_hooks import STACK_SIGNAL, stack_file
+from dlrover_hpc.config import HANG_AUTO
 from dlrover_hpc.diagnosis import stacks as st
 from dlrover_hpc.protocol import messages as m
 
@@ -147,6 +151,10 @@ class _Rank:
     step: int = -1
     step_at: float = 0.0  # wall clock of that step (the record's time)
     forward_s: float = 0.0
+    p99_s: float = 0.0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    section: progress.Section | None = None
     changed_at: float = 0.0
     sampled_at: float = 0.0
     signature: tuple[st.Frame, ...] = ()
@@ -197,20 +205,26 @@ class Watchdog:
         for r in self._ranks.values():
             record = progress.read(r.path)
             r.seen(record)
+            section = progress.read_section(r.path)
+            if section != r.section:
+                r.section, r.changed_at = section, now  # a phase began or ended
             if record is not None and record.count != r.count:
                 r.count, r.step, r.changed_at = record.count, record.step, now
                 r.step_at = record.time
                 r.forward_s = record.forward_s or r.forward_s
+                r.p99_s = record.p99_s
+                r.compute_s, r.wait_s = record.compute_s, record.wait_s
                 r.signature = ()  # stacks are compared among samples taken since
-            elif now - r.changed_at >= self.sample_s and now - r.sampled_at >= self.sample_s:
+            elif (section is not None or r.count <= 1) and self._busy(r, now):
+                r.changed_at = now  # in a section, or never stepped: its CPU use is the signal
+            if now - r.changed_at >= self.sample_s and now - r.sampled_at >= self.sample_s:
                 r.sampled_at = now
                 stack, _ = self.reader.read(r.pid, r.path)
                 signature = stack.signature() if stack is not None else ()
                 if signature and r.signature and signature != r.signature:
                     r.changed_at = now  # it moves: busy between steps, not stuck
                 r.signature = signature or r.signature
-                if r.count <= 1 and self._busy(r, now):
-                    r.changed_at = now  # never reported a step: its CPU use is the signal
+            wall = time.time()
             out.append(
                 m.RankProgress(
                     rank=r.rank,
@@ -218,19 +232,32 @@ class Watchdog:
                     stalled_s=round(now - r.changed_at, 3),
                     forward_s=r.forward_s,
                     at=r.step_at,
+                    p99_s=r.p99_s,
+                    compute_s=r.compute_s,
+                    wait_s=r.wait_s,
+                    section=section.name if section else "",
+                    section_s=round(max(0.0, wall - section.since), 3) if section else 0.0,
+                    section_bound_s=section.bound_s if section else 0.0,
                 )
             )
         return out
 
     @staticmethod
     def _busy(r: _Rank, now: float) -> bool:
-        """It used more than :data:`BUSY_CPU` of a core since the last sample (a worker that
-        waits in a collective or is stopped uses next to nothing)."""
+        """It and its children (data-loader workers) used more than :data:`BUSY_CPU` of a core
+        since the last sample (a worker that waits in a collective or is stopped uses next to
+        nothing)."""
         try:
-            times = psutil.Process(r.pid).cpu_times()
+            proc = psutil.Process(r.pid)
+            procs = [proc, *proc.children(recursive=True)]
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return False
-        cpu, (last_cpu, last_at) = times.user + times.system, r.cpu
+        cpu = 0.0
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                times = p.cpu_times()
+                cpu += times.user + times.system
+        last_cpu, last_at = r.cpu
         r.cpu = (cpu, now)
         return last_at > 0 and (cpu - last_cpu) >= BUSY_CPU * (now - last_at)
 
@@ -264,6 +291,13 @@ class Watchdog:
         await link.request(msg, m.Ack, timeout_s=30)
 
 
+#: With ``--hang-timeout auto`` stacks are compared this often while steps stall (the
+#: shortest learned bound is 30 s).
+AUTO_SAMPLE_S = 5.0
+
+
 def default_sample_s(hang_timeout_s: float) -> float:
     """Stacks are compared this often while steps stall: a sixth of the hang timeout."""
+    if hang_timeout_s == HANG_AUTO:
+        return AUTO_SAMPLE_S
     return min(60.0, max(1.0, hang_timeout_s / 6)) if hang_timeout_s else float("inf")

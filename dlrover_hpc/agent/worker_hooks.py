@@ -3,9 +3,17 @@
 The zygote's forked worker calls :func:`install` (a worker started without the zygote reports
 only explicit :func:`dlrover_hpc.progress.step` calls and flash-checkpoint saves):
 
-- every optimizer step reports progress (torch's global optimizer step hook: one Python call
-  per step); with ``DLROVER_HPC_FORWARD_TIMING=1`` the seconds spent in the model's forward are
-  measured as well (global module hooks), for runtime straggler detection;
+- every optimizer step reports progress (torch's global optimizer step hooks: two Python calls
+  per step) with the step's *compute* and *wait* seconds: the time from the previous step to
+  the last gradient computed (data, forward, backward), plus the optimizer's own; and the time
+  from that gradient to the optimizer (DDP's final all-reduce waits there for the slowest
+  rank).  One hook per optimized parameter notes when its gradient is accumulated.  The master
+  compares ranks' compute to find a slow node (fail-slow);
+- long phases that are not hangs open a section (:func:`dlrover_hpc.progress.section`):
+  ``Module.eval()`` opens ``eval`` until ``train()`` or the next optimizer step, a data
+  loader's iterator opens ``data`` until its first batch;
+- with ``DLROVER_HPC_FORWARD_TIMING=1`` the seconds spent in the model's forward are measured
+  as well (global module hooks);
 - ``SIGUSR2`` makes faulthandler write every thread's stack to ``<progress file>.stack``: the
   agent's fallback where the kernel forbids reading another process's memory;
 - the process lets any process of its user read it (``PR_SET_PTRACER_ANY``) so that py-spy,
@@ -20,6 +28,7 @@ import os
 import signal
 import sys
 import time
+import weakref
 from typing import Any
 
 from dlrover_hpc import progress
@@ -91,19 +100,116 @@ class _ForwardClock:
         return self.mean
 
 
+class _StepClock:
+    """A step's compute and wait: see the module's docstring."""
+
+    def __init__(self) -> None:
+        self.prev_end = time.perf_counter()
+        self.last_grad = 0.0
+        self.opt_start = 0.0
+        self.hooked: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers whose params we hook
+        self.eval_token = 0
+
+    def grad_ready(self, _param: Any) -> None:
+        self.last_grad = time.perf_counter()
+
+    def before_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self.opt_start = time.perf_counter()
+        if optimizer not in self.hooked:
+            self.hooked.add(optimizer)
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    hook = getattr(param, "register_post_accumulate_grad_hook", None)
+                    if hook is not None and param.requires_grad:
+                        _keep.append(hook(self.grad_ready))
+
+    def after_step(self) -> tuple[float, float]:
+        end = time.perf_counter()
+        start = self.opt_start or end
+        if self.last_grad > self.prev_end:
+            compute = (self.last_grad - self.prev_end) + (end - start)
+            wait = max(0.0, start - self.last_grad)
+        else:  # no gradient seen (the first step after hooking, or no autograd)
+            compute, wait = end - self.prev_end, 0.0
+        self.prev_end, self.opt_start = end, 0.0
+        if self.eval_token:  # an optimizer step: training again, whatever eval() said
+            progress.leave_section(self.eval_token)
+            self.eval_token = 0
+        return compute, wait
+
+
 def _torch_hooks(*, forward: bool) -> None:
     from torch.nn.modules.module import (
         register_module_forward_hook,
         register_module_forward_pre_hook,
     )
-    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
 
     clock = _ForwardClock() if forward else None
     if clock is not None:
         _keep.append(register_module_forward_pre_hook(clock.pre))
         _keep.append(register_module_forward_hook(clock.post))
+    steps = _StepClock()
 
     def stepped(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        progress.step(forward_s=clock.take() if clock is not None else 0.0)
+        compute, wait = steps.after_step()
+        forward_s = clock.take() if clock is not None else 0.0
+        progress.step(forward_s=forward_s, compute_s=compute, wait_s=wait)
 
+    _keep.append(register_optimizer_step_pre_hook(steps.before_step))
     _keep.append(register_optimizer_step_post_hook(stepped))
+    _eval_sections(steps)
+    _data_sections()
+
+
+def _eval_sections(steps: _StepClock) -> None:
+    """``Module.train(False)`` (what ``eval()`` calls) opens the ``eval`` section."""
+    import torch.nn
+
+    original = torch.nn.Module.train
+
+    def train(self: Any, mode: bool = True) -> Any:
+        if mode:
+            if steps.eval_token:
+                progress.leave_section(steps.eval_token)
+                steps.eval_token = 0
+        elif not steps.eval_token:
+            steps.eval_token = progress.enter_section("eval")
+        return original(self, mode)
+
+    train.__wrapped__ = original  # type: ignore[attr-defined]
+    train.__doc__ = original.__doc__
+    torch.nn.Module.train = train  # type: ignore[method-assign]
+
+
+def _data_sections() -> None:
+    """A data loader's iterator opens the ``data`` section until its first batch (worker
+    processes start, datasets open files): the next ``__next__`` that returns or ends."""
+    from torch.utils.data import dataloader
+
+    base = dataloader._BaseDataLoaderIter
+    original_init, original_next = base.__init__, base.__next__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        self._dlrover_hpc_section = progress.enter_section("data")
+        try:
+            original_init(self, *args, **kwargs)
+        except BaseException:
+            progress.leave_section(self._dlrover_hpc_section)
+            raise
+
+    def next_(self: Any) -> Any:
+        token = self.__dict__.get("_dlrover_hpc_section", 0)
+        if not token:
+            return original_next(self)
+        try:
+            return original_next(self)
+        finally:
+            self._dlrover_hpc_section = 0
+            progress.leave_section(token)
+
+    base.__init__ = init  # type: ignore[method-assign]
+    base.__next__ = next_  # type: ignore[method-assign]

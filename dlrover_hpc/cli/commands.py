@@ -15,6 +15,7 @@ from dlrover_hpc.config import (
     MasterConfig,
     NodeRange,
     env_default,
+    parse_hang_timeout,
 )
 from dlrover_hpc.errors import ConfigError, DlroverHpcError, UsageError
 from dlrover_hpc.jobdir import default_job_dir
@@ -113,10 +114,9 @@ def register_master(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--hang-timeout",
-        type=float,
         default=env_default("master_hang_timeout", "0") or "0",
-        help="seconds with no progress on any rank before the stacks are dumped and the "
-        "workers restart (default 0: the agents' --hang-timeout)",
+        help="auto (learned from the step times), seconds with no progress on any rank before "
+        "the stacks are dumped and the workers restart (default 0: the agents' --hang-timeout)",
     )
     p.add_argument(
         "--metrics-port",
@@ -173,7 +173,7 @@ def master_config(args: argparse.Namespace) -> MasterConfig:
         else args.replacement_sbatch,
         min_nodes_timeout_s=args.min_nodes_timeout,
         requeue=args.requeue,
-        hang_timeout_s=args.hang_timeout,
+        hang_timeout_s=parse_hang_timeout(str(args.hang_timeout)),
         metrics_port=args.metrics_port,
         max_continuations=args.max_continuations,
         stop_lead_s=args.stop_lead,

@@ -9,13 +9,14 @@ from collections.abc import Sequence
 
 from dlrover_hpc.cli.parser import Parser
 from dlrover_hpc.config import (
-    DEFAULT_HANG_TIMEOUT_S,
+    DEFAULT_HANG_TIMEOUT,
     DEFAULT_LINK_TIMEOUT_S,
     DEFAULT_RECONNECT_TIMEOUT_S,
     DEFAULT_STRAGGLER_FACTOR,
     NodeRange,
     RunConfig,
     env_default,
+    parse_hang_timeout,
     parse_host_port,
     parse_nproc,
     parse_rdzv_conf,
@@ -244,10 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--hang-timeout",
-        type=float,
-        default=env_default("hang_timeout", f"{DEFAULT_HANG_TIMEOUT_S:g}"),
-        help="seconds with no progress on any rank before the job's stacks are dumped to "
-        f"<job dir>/hangs/ and the workers restart; 0: off (default {DEFAULT_HANG_TIMEOUT_S:g})",
+        default=env_default("hang_timeout", DEFAULT_HANG_TIMEOUT),
+        help="how long no rank may progress before the job's stacks are dumped to "
+        "<job dir>/hangs/ and the workers restart: auto (learned from the step times: about "
+        "2x their p99 + 10 s, at least 30 s, with a longer bound for warm-up, checkpoints, "
+        "evaluation and a data loader's start), a fixed number of seconds, or 0: off "
+        f"(default {DEFAULT_HANG_TIMEOUT})",
     )
     d.add_argument(
         "--straggler-factor",
@@ -272,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """Parsed flags as a :class:`RunConfig`; raises ConfigError (exit 2) naming the flag and fix."""
+    hang_timeout_s = parse_hang_timeout(str(args.hang_timeout))
     if args.standalone and args.rdzv_endpoint:
         raise ConfigError(
             f"--standalone runs its own in-process master on this node; drop "
@@ -304,7 +308,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         training_script_args=tuple(args.training_script_args),
         link_timeout_s=args.link_timeout,
         reconnect_timeout_s=args.reconnect_timeout,
-        hang_timeout_s=args.hang_timeout,
+        hang_timeout_s=hang_timeout_s,
         straggler_factor=args.straggler_factor,
         rdzv_endpoint=args.rdzv_endpoint,
     )

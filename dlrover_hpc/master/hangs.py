@@ -1,14 +1,23 @@
-"""Hangs and runtime stragglers, seen from the master (issue 13).
+"""Hangs and runtime stragglers, seen from the master (issues 13 and 25).
 
-Agents report each worker's step, how long since it last progressed, and its forward time in
-every heartbeat.  When no rank of the running round progressed for ``--hang-timeout``, the
-master asks every agent for its workers' stacks, writes them to ``<job dir>/hangs/<UTC time>/``
-(``rank-N.txt`` and ``merged.txt``), emits ``hang_detected`` and restarts the workers from the
-newest checkpoint.  The second hang blamed on one node is a node fault: it is excluded and
-drained (or quarantined), and a spare or a smaller round takes over.  A rank whose forward
-takes ``--straggler-factor`` times the median for :data:`STRAGGLER_WINDOW_S` is reported
-(``straggler_detected``); with ``--exclude-straggler`` its node is swapped out at the next
-committed checkpoint.  ``dlrover-hpc stacks`` uses the same collection, on demand.
+Agents report each worker's step, how long since it last progressed, the p99 of its recent step
+times, the section it is in (:func:`dlrover_hpc.progress.section`: a checkpoint, an evaluation,
+a data loader's start, or one a script marks) and its newest step's compute and wait seconds,
+in every heartbeat.  Each rank is held to a *bound* (:func:`rank_bound`):
+
+- ``--hang-timeout SECONDS``: that, for everything (the behaviour before ``auto``);
+- ``auto`` (the default): in a section, the section's own bound (:data:`SECTION_BOUNDS_S`, or
+  the one the script gave); before the rank has a step-time p99 (the first steps after a start:
+  compilation, warm-up, restore), the warm-up bound; else ``2 x p99 + 10 s`` of the job's
+  slowest rank, at least :data:`FLOOR_S`; never more than :data:`HANG_CEILING_S`.
+
+When every rank of the running round is past its bound, the master asks every agent for its
+workers' stacks, writes them to ``<job dir>/hangs/<UTC time>/`` (``rank-N.txt`` and
+``merged.txt``), emits ``hang_detected`` (with the bound, what it came from and the step
+statistics) and restarts the workers from the newest checkpoint.  The second hang blamed on one
+node is a node fault: it is excluded and drained (or quarantined), and a spare or a smaller round
+takes over.  Stragglers: see :func:`stragglers`.  ``dlrover-hpc stacks`` uses the same
+collection, on demand.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from dlrover_hpc.config import HANG_AUTO, HANG_CEILING_S
 from dlrover_hpc.diagnosis import stacks as st
 from dlrover_hpc.events import EventName
 from dlrover_hpc.master import decisions as d
@@ -36,6 +46,14 @@ COLLECT_TIMEOUT_S = 15.0
 STRAGGLER_WINDOW_S = 30.0
 HANGS_PER_NODE_FAULT = 2  # the second hang blamed on a node excludes it
 
+#: ``auto``: the learned bound is ``P99_FACTOR x p99 + P99_MARGIN_S``, at least ``FLOOR_S``.
+FLOOR_S, P99_FACTOR, P99_MARGIN_S = 30.0, 2.0, 10.0
+#: ``auto``: a rank that has no step-time p99 yet (the first steps of its process).
+WARMUP_BOUND_S = 600.0
+#: ``auto``: each section's own bound, unless the script gave one; other names get ``eval``'s.
+#: A rank in a section also progresses while it (or a data-loader worker) uses CPU.
+SECTION_BOUNDS_S = {"checkpoint": 600.0, "eval": 600.0, "data": 300.0, "warmup": WARMUP_BOUND_S}
+
 
 @dataclasses.dataclass(slots=True)
 class _Seen:
@@ -44,11 +62,48 @@ class _Seen:
     at: float  # master clock when the report arrived
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Bound:
+    seconds: float
+    source: str  # "step statistics", "section eval", "warm-up", "--hang-timeout", "ceiling"
+
+
+def job_p99(progress: Sequence[m.RankProgress]) -> float:
+    """The job's step-time p99: its slowest rank's (0 while no rank has one)."""
+    return max((p.p99_s for p in progress), default=0.0)
+
+
+def rank_bound(p: m.RankProgress, *, timeout_s: float, p99_s: float) -> Bound:
+    """How long ``p``'s rank may go without progress (see the module's docstring)."""
+    if timeout_s != HANG_AUTO:
+        return Bound(timeout_s, "--hang-timeout")
+    if p.section:
+        bound = p.section_bound_s or SECTION_BOUNDS_S.get(p.section, SECTION_BOUNDS_S["eval"])
+        source = f"section {p.section}"
+    elif p.p99_s <= 0 or p99_s <= 0:
+        bound, source = WARMUP_BOUND_S, "warm-up"
+    else:
+        bound, source = max(FLOOR_S, P99_FACTOR * p99_s + P99_MARGIN_S), "step statistics"
+    return Bound(bound, source) if bound <= HANG_CEILING_S else Bound(HANG_CEILING_S, "ceiling")
+
+
 def hung_ranks(
     seen: Sequence[tuple[m.RankProgress, float]], *, now: float, timeout_s: float
-) -> bool:
-    """No rank progressed for ``timeout_s`` (each report aged by the time since it arrived)."""
-    return bool(seen) and all(p.stalled_s + (now - at) >= timeout_s for p, at in seen)
+) -> Bound | None:
+    """Every rank went without progress for its bound (each report aged by the time since it
+    arrived): the longest of those bounds, the one that decided; None while any rank is within
+    its bound."""
+    if not seen or not timeout_s:
+        return None
+    p99 = job_p99([p for p, _ in seen])
+    longest: Bound | None = None
+    for p, at in seen:
+        bound = rank_bound(p, timeout_s=timeout_s, p99_s=p99)
+        if p.stalled_s + (now - at) < bound.seconds:
+            return None
+        if longest is None or bound.seconds > longest.seconds:
+            longest = bound
+    return longest
 
 
 def stragglers(forward: dict[int, float], factor: float) -> dict[int, float]:
@@ -83,10 +138,15 @@ class HangWatch:
 
     # ------------------------------------------------------------------ reports
     def joined(self, msg: m.Join) -> None:
-        """Each agent's flags: the longest --hang-timeout (unless the master's own is set),
-        the largest --straggler-factor, and whether any wants stragglers excluded."""
+        """Each agent's flags: the longest fixed --hang-timeout, else ``auto`` if any says it
+        (unless the master's own is set), the largest --straggler-factor, and whether any wants
+        stragglers excluded."""
         if not self.job.config.hang_timeout_s:
-            self.timeout_s = max(self.timeout_s, msg.hang_timeout_s)
+            mine, theirs = self.timeout_s, msg.hang_timeout_s
+            if theirs > 0 or mine > 0:
+                self.timeout_s = max(mine, theirs)
+            elif theirs == HANG_AUTO:
+                self.timeout_s = HANG_AUTO
         self.straggler_factor = max(self.straggler_factor, msg.straggler_factor)
         self.exclude_straggler |= msg.exclude_straggler
 
@@ -120,9 +180,10 @@ class HangWatch:
         world = sum(n.nproc for n in job.participants())
         seen = [(s.progress, s.at) for s in self._seen.values()]
         ready = self.timeout_s and len(seen) >= world > 0
-        if ready and hung_ranks(seen, now=now, timeout_s=self.timeout_s):
+        bound = hung_ranks(seen, now=now, timeout_s=self.timeout_s) if ready else None
+        if bound is not None:
             self._busy = True
-            self._task = asyncio.get_running_loop().create_task(self._hang())
+            self._task = asyncio.get_running_loop().create_task(self._hang(bound))
             return
         if self.straggler_factor:
             self._check_stragglers(now)
@@ -185,12 +246,19 @@ class HangWatch:
         _, merged = await self.collect(directory, title)
         return m.StacksReply(directory=str(directory), text=merged)
 
-    async def _hang(self) -> None:
+    async def _hang(self, bound: Bound) -> None:
         job = self.job
         try:
             directory = self.job_dir / "hangs" / _stamp()
             last = {r: s.progress.step for r, s in sorted(self._seen.items())}
-            title = f"hang: no rank progressed for {self.timeout_s:g} s (round {job.round})"
+            p99 = job_p99([s.progress for s in self._seen.values()])
+            sections = {
+                r: s.progress.section for r, s in sorted(self._seen.items()) if s.progress.section
+            }
+            title = (
+                f"hang: no rank progressed for {bound.seconds:g} s ({bound.source}; "
+                f"round {job.round})"
+            )
             ranks, _ = await self.collect(directory, title)
             found = st.suspect(ranks)
             suspect_rank, why = found if found else (-1, "no rank stands out")
@@ -205,6 +273,10 @@ class HangWatch:
                 suspected_node=node,
                 why=why,
                 directory=str(directory),
+                bound_s=round(bound.seconds, 3),
+                bound_from=bound.source,
+                step_p99_s=round(p99, 4),
+                sections=sections,
             )
             log.error("hang detected suspect=%d (%s) stacks=%s", suspect_rank, why, directory)
             if job.phase is not Phase.RUNNING or job.round != self._round:
@@ -215,7 +287,7 @@ class HangWatch:
                 reason = f"{self.hangs_by_node[node]} hangs blamed on it ({why})"
                 job.apply([d.Exclude(node, reason), d.RemoveNode(node, reason)])
             else:
-                reason = f"hang: no progress for {self.timeout_s:g} s"
+                reason = f"hang: no progress for {bound.seconds:g} s ({bound.source})"
                 job.apply(
                     d.charge(
                         restart_count=job.restart_count,

@@ -61,7 +61,7 @@ class Join(Message):
     round: int = 0
     round_state: NodeState = NodeState.WAITING
     master_lost_at: float = 0.0  # wall clock when its connection to the master dropped
-    hang_timeout_s: float = 0.0  # --hang-timeout (0: off)
+    hang_timeout_s: float = 0.0  # --hang-timeout (0: off, -1: auto)
     straggler_factor: float = 0.0  # --straggler-factor (0: off)
     replica_port: int = 0  # its checkpoint replica server (0: none)
 
@@ -128,6 +128,12 @@ class RankProgress:
     stalled_s: float  # since its step or its stack last changed
     forward_s: float = 0.0  # its newest step's time in the model's forward (0: unknown)
     at: float = 0.0  # wall clock of that step (0: unknown); the goodput report's step times
+    p99_s: float = 0.0  # p99 of its recent step times (0: too few steps yet)
+    compute_s: float = 0.0  # its newest step's own work (data, forward, backward, optimizer)
+    wait_s: float = 0.0  # its newest step's wait for its peers
+    section: str = ""  # the long phase it is in (progress.section), "" when none
+    section_s: float = 0.0  # for how long
+    section_bound_s: float = 0.0  # the section's own bound (0: the master's default)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -100,7 +100,8 @@ def test_dlrover_hpc_help_lists_subcommands() -> None:
             "--standalone runs its own in-process master; drop --master",
         ),
         (["--standalone", "--nnodes=2", "t.py"], "--standalone is for one node"),
-        (["--hang-timeout=-1", "t.py"], "--hang-timeout=-1: must be 0 (off) or seconds"),
+        (["--hang-timeout=-1", "t.py"], "--hang-timeout=-1: must be auto, 0 (off) or seconds"),
+        (["--hang-timeout=soon", "t.py"], "--hang-timeout=soon: must be auto, 0 (off) or seconds"),
         (["--straggler-factor=1", "t.py"], "--straggler-factor=1: must be 0 (off) or more than 1"),
         (
             ["--nnodes=2:4", "--node-unit=8", "t.py"],

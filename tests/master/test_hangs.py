@@ -4,6 +4,7 @@ DumpStacks as they would; real files, only the clock is ours."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 from dlrover_hpc.diagnosis import stacks as st
@@ -27,8 +28,68 @@ def test_no_progress_anywhere_is_a_hang_one_progressing_rank_is_not() -> None:
         m.RankProgress(rank=1, step=5, stalled_s=25),
     ]
     assert not hangs.hung_ranks([(p[0], 10.0), (p[1], 10.0)], now=11.0, timeout_s=20)
-    assert hangs.hung_ranks([(p[0], 10.0), (p[1], 10.0)], now=12.0, timeout_s=20)
+    assert hangs.hung_ranks([(p[0], 10.0), (p[1], 10.0)], now=12.0, timeout_s=20) == hangs.Bound(
+        20.0, "--hang-timeout"
+    )
     assert not hangs.hung_ranks([], now=99.0, timeout_s=20)
+
+
+AUTO = -1.0
+
+
+def _p(rank: int, stalled: float, *, p99: float = 0.5, **kw: object) -> m.RankProgress:
+    return m.RankProgress(rank=rank, step=5, stalled_s=stalled, p99_s=p99, **kw)  # type: ignore[arg-type]
+
+
+def test_auto_bounds_come_from_the_step_times_sections_and_warm_up() -> None:
+    bound = hangs.rank_bound
+    # 2 x p99 + 10 s of the job's slowest rank, at least 30 s
+    assert bound(_p(0, 0), timeout_s=AUTO, p99_s=0.5) == hangs.Bound(30.0, "step statistics")
+    assert bound(_p(0, 0), timeout_s=AUTO, p99_s=20.0) == hangs.Bound(50.0, "step statistics")
+    # a section has its own bound, or the script's
+    assert bound(_p(0, 0, section="eval"), timeout_s=AUTO, p99_s=0.5) == hangs.Bound(
+        600.0, "section eval"
+    )
+    assert bound(_p(0, 0, section="data"), timeout_s=AUTO, p99_s=0.5).seconds == 300.0
+    mine = _p(0, 0, section="mine", section_bound_s=45.0)
+    assert bound(mine, timeout_s=AUTO, p99_s=0.5) == hangs.Bound(45.0, "section mine")
+    # before the rank has a p99: the first steps (compilation, warm-up, restore)
+    assert bound(_p(0, 0, p99=0.0), timeout_s=AUTO, p99_s=0.5) == hangs.Bound(600.0, "warm-up")
+    # never past the ceiling; a number is a fixed bound for everything
+    assert bound(_p(0, 0), timeout_s=AUTO, p99_s=5000.0) == hangs.Bound(1800.0, "ceiling")
+    assert bound(_p(0, 0, section="eval"), timeout_s=20.0, p99_s=0.5) == hangs.Bound(
+        20.0, "--hang-timeout"
+    )
+
+
+def test_a_rank_within_its_section_bound_keeps_the_job_from_a_hang() -> None:
+    waiting = [(_p(0, 31.0), 10.0), (_p(1, 31.0), 10.0)]
+    assert hangs.hung_ranks(waiting, now=10.0, timeout_s=AUTO) == hangs.Bound(
+        30.0, "step statistics"
+    )
+    # rank 2 evaluates alone while the others wait in a barrier: no hang for 600 s
+    evaluating = [*waiting, (_p(2, 31.0, section="eval"), 10.0)]
+    assert hangs.hung_ranks(evaluating, now=10.0, timeout_s=AUTO) is None
+    assert hangs.hung_ranks(evaluating, now=580.0, timeout_s=AUTO) == hangs.Bound(
+        600.0, "section eval"
+    )
+    assert hangs.hung_ranks(waiting, now=10.0, timeout_s=0.0) is None  # off
+
+
+def test_the_master_takes_a_fixed_timeout_over_auto_and_auto_over_off(tmp_path: Path) -> None:
+    h = Harness(tmp_path, nnodes="1:3")
+    watch = HangWatch(h.job, lambda a, msg: None, tmp_path)
+    assert watch.timeout_s == 0.0
+    join = m.Join(node="n1", addr="a", nproc=1)
+    watch.joined(dataclasses.replace(join, hang_timeout_s=0.0))
+    assert watch.timeout_s == 0.0
+    watch.joined(dataclasses.replace(join, hang_timeout_s=AUTO))
+    assert watch.timeout_s == AUTO
+    watch.joined(dataclasses.replace(join, hang_timeout_s=0.0))
+    assert watch.timeout_s == AUTO
+    watch.joined(dataclasses.replace(join, hang_timeout_s=60.0))
+    watch.joined(dataclasses.replace(join, hang_timeout_s=AUTO))
+    assert watch.timeout_s == 60.0
 
 
 def test_a_rank_far_slower_than_the_median_is_a_straggler() -> None:
@@ -102,6 +163,7 @@ def test_a_hang_dumps_every_stack_names_the_stopped_rank_and_restarts(tmp_path: 
         assert hang["suspected_node"] == "n2" and hang["frame"] == "all_reduce <- train"
         assert hang["last_step"] == {"0": 42, "1": 42, "2": 42, "3": 41}
         assert hang["ranks"] == [0, 1, 2, 3]
+        assert hang["bound_s"] == 20.0 and hang["bound_from"] == "--hang-timeout"
         directory = Path(hang["directory"])
         assert directory.parent == tmp_path / "hangs"
         names = sorted(p.name for p in directory.iterdir())

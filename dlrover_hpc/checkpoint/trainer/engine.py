@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dlrover_hpc import progress
 from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
 from dlrover_hpc.checkpoint.env import WorkerEnv, segment_name
 from dlrover_hpc.checkpoint.event_sinks import JsonlEventSink
@@ -327,6 +328,7 @@ class Engine:
         except CheckpointError as exc:
             logger.warning("checkpoint persist_after_restore_failed step=%d error=%s", ms.step, exc)
 
+    @progress.sectioned("checkpoint")
     def wait_committed(self, step: int, timeout_s: float) -> bool:
         self.wait_pending()
         return self.link.wait_committed(self.ckpt_dir, step, timeout_s, self.env.rank, self.token)

@@ -71,6 +71,7 @@ class FsdpShardCheckpointer(CheckpointerBase):
         )
 
     # ------------------------------------------------------------------------ saving
+    @progress.sectioned("checkpoint")
     def save_checkpoint(
         self,
         step: int,
@@ -168,6 +169,7 @@ class FsdpShardCheckpointer(CheckpointerBase):
 
         return self._load_agreed(from_memory, from_storage, storage=storage)[2]
 
+    @progress.sectioned("checkpoint")
     def load_checkpoint(
         self, state_dict: dict[str, Any], *, storage: bool = True
     ) -> dict[str, Any]:

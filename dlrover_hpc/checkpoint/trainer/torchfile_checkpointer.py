@@ -98,6 +98,7 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
         """The step path used when save_checkpoint gets none."""
 
     # ------------------------------------------------------------------------ saving
+    @progress.sectioned("checkpoint")
     def save_checkpoint(
         self,
         step: int,
@@ -244,6 +245,7 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
         return views
 
     # ------------------------------------------------------------------------ loading
+    @progress.sectioned("checkpoint")
     def load_checkpoint(
         self,
         resume_path: str = "",
