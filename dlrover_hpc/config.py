@@ -150,10 +150,10 @@ def describe_hang_timeout(value: float) -> str:
     return "auto" if value == HANG_AUTO else ("off" if value == 0 else f"{value:g} s")
 
 
-#: ``--straggler-factor``: a rank whose forward takes this many times the median, for 30 s, is
-#: a runtime straggler.  Off by default: timing every module's forward cost 0-14 % (median of
-#: three runs 6.5 %) of a 7 ms step of a 16-layer toy MLP (benchmarks/hang_overhead.py).
-DEFAULT_STRAGGLER_FACTOR = 0.0
+#: ``--straggler-factor``: a rank whose compute per step (data, forward, backward, optimizer)
+#: takes this many times its peers' median while they wait for it, for 20 s, is a runtime
+#: straggler (fail-slow; :func:`dlrover_hpc.master.hangs.stragglers`); 0 is off.
+DEFAULT_STRAGGLER_FACTOR = 2.0
 
 
 def check_seconds(

@@ -256,10 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--straggler-factor",
         type=float,
         default=env_default("straggler_factor", f"{DEFAULT_STRAGGLER_FACTOR:g}"),
-        help="e.g. 2: a rank whose forward takes this many times the median for 30 s is "
-        "reported (straggler_detected) and, with --exclude-straggler, replaced by a spare at "
-        f"the next checkpoint; times every module's forward (default {DEFAULT_STRAGGLER_FACTOR:g}:"
-        " off)",
+        help="a rank whose compute per step (data, forward, backward, optimizer) takes this "
+        "many times its peers' median, while they wait for it, for 20 s is reported "
+        "(straggler_detected) and its node swapped for a waiting spare at the next checkpoint "
+        "(with --exclude-straggler: even without a spare); 0: off "
+        f"(default {DEFAULT_STRAGGLER_FACTOR:g})",
     )
     d.add_argument(
         "--job-dir",

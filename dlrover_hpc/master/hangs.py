@@ -23,6 +23,7 @@ collection, on demand.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
@@ -43,7 +44,12 @@ from dlrover_hpc.protocol import messages as m
 log = logging.getLogger(__name__)
 
 COLLECT_TIMEOUT_S = 15.0
-STRAGGLER_WINDOW_S = 30.0
+#: Fail-slow: a rank is a straggler once it stood out in every check for this long, each
+#: check comparing the medians of the steps reported in the last :data:`SAMPLE_WINDOW_S`.
+STRAGGLER_WINDOW_S = 20.0
+SAMPLE_WINDOW_S = 15.0
+MIN_SAMPLES = 3
+MIN_EXTRA_S = 0.02  # a straggler's compute exceeds its peers' by this much at least
 HANGS_PER_NODE_FAULT = 2  # the second hang blamed on a node excludes it
 
 #: ``auto``: the learned bound is ``P99_FACTOR x p99 + P99_MARGIN_S``, at least ``FLOOR_S``.
@@ -106,16 +112,38 @@ def hung_ranks(
     return longest
 
 
-def stragglers(forward: dict[int, float], factor: float) -> dict[int, float]:
-    """Ranks whose forward takes ``factor`` times the median of the others' (rank -> ratio)."""
-    timed = {r: s for r, s in forward.items() if s > 0}
+@dataclasses.dataclass(frozen=True, slots=True)
+class Slow:
+    """A rank whose compute stands out: its median compute per step over its peers'."""
+
+    ratio: float
+    compute_s: float  # its median compute per step
+    peers_compute_s: float  # the median of its peers' medians
+    peers_wait_s: float  # the median of its peers' median waits: the time they wait for it
+
+
+def stragglers(timings: dict[int, tuple[float, float]], factor: float) -> dict[int, Slow]:
+    """Ranks that hold the others back (fail-slow): ``timings`` is each rank's median compute
+    and wait per step (data, forward, backward, optimizer; and the wait for its peers).  A
+    straggler's compute is ``factor`` times its peers' median, at least :data:`MIN_EXTRA_S`
+    more, and its peers wait for it: their median wait covers at least half the difference.
+    Without that wait the ranks do not train in lockstep, and nobody is held back."""
+    timed = {r: t for r, t in timings.items() if t[0] > 0}
     out = {}
-    for rank, seconds in timed.items():
-        others = [s for r, s in timed.items() if r != rank]
-        if len(others) >= 1:
-            median = statistics.median(others)
-            if median > 0 and seconds / median >= factor:
-                out[rank] = round(seconds / median, 2)
+    for rank, (compute, _) in timed.items():
+        others = [t for r, t in timed.items() if r != rank]
+        if not others:
+            continue
+        peers = statistics.median(c for c, _ in others)
+        waited = statistics.median(w for _, w in others)
+        extra = compute - peers
+        if (
+            peers > 0
+            and compute >= factor * peers
+            and extra >= MIN_EXTRA_S
+            and waited >= 0.5 * extra
+        ):
+            out[rank] = Slow(round(compute / peers, 2), compute, peers, waited)
     return out
 
 
@@ -132,6 +160,7 @@ class HangWatch:
         self._waiting: dict[int, tuple[set[str], list[m.RankStackRow], asyncio.Event]] = {}
         self.hangs_by_node: dict[str, int] = {}
         self._slow_since: dict[int, float] = {}
+        self._samples: dict[int, collections.deque[tuple[float, float, float]]] = {}
         self._reported: set[int] = set()  # stragglers reported in this round
         self._swap: str | None = None  # a straggler's node, out at the next commit
         self._task: asyncio.Task[None] | None = None
@@ -154,11 +183,16 @@ class HangWatch:
         if self.job.round != self._round:
             self._seen.clear()
             self._slow_since.clear()
+            self._samples.clear()
             self._reported.clear()
             self._round = self.job.round
         now = self.job.clock()
         for p in progress:
+            old = self._seen.get(p.rank)
             self._seen[p.rank] = _Seen(p, rec_node, now)
+            if p.compute_s > 0 and (old is None or old.progress.at != p.at):  # a new step
+                samples = self._samples.setdefault(p.rank, collections.deque(maxlen=64))
+                samples.append((now, p.compute_s, p.wait_s))
 
     def stacks_dumped(self, msg: m.StacksDumped) -> m.Ack:
         waiting = self._waiting.get(msg.request_id)
@@ -189,20 +223,51 @@ class HangWatch:
             self._check_stragglers(now)
 
     def _check_stragglers(self, now: float) -> None:
-        forward = {r: s.progress.forward_s for r, s in self._seen.items()}
-        slow = stragglers(forward, self.straggler_factor)
+        timings = {}
+        for rank, samples in self._samples.items():
+            recent = [(c, w) for at, c, w in samples if now - at <= SAMPLE_WINDOW_S]
+            if len(recent) >= MIN_SAMPLES:
+                timings[rank] = (
+                    statistics.median(c for c, _ in recent),
+                    statistics.median(w for _, w in recent),
+                )
+        slow = stragglers(timings, self.straggler_factor)
         for rank in list(self._slow_since):
             if rank not in slow:
                 del self._slow_since[rank]
-        for rank, ratio in slow.items():
+        for rank, found in slow.items():
             since = self._slow_since.setdefault(rank, now)
             if now - since < STRAGGLER_WINDOW_S or rank in self._reported:
                 continue
             self._reported.add(rank)
             node = self._seen[rank].node
-            log.warning("straggler node=%s rank=%d ratio=%.2f", node, rank, ratio)
-            self.job.emit(EventName.STRAGGLER_DETECTED, node=node, rank=rank, ratio=ratio)
-            if self.exclude_straggler and self._swap is None:
+            log.warning(
+                "straggler node=%s rank=%d ratio=%.2f compute=%.3fs peers=%.3fs waited=%.3fs",
+                node,
+                rank,
+                found.ratio,
+                found.compute_s,
+                found.peers_compute_s,
+                found.peers_wait_s,
+            )
+            evidence = {
+                str(r): {"compute_s": round(c, 4), "wait_s": round(w, 4)}
+                for r, (c, w) in sorted(timings.items())[:64]
+            }
+            swap = self._swap is None and (self.exclude_straggler or self.job.spares() > 0)
+            self.job.emit(
+                EventName.STRAGGLER_DETECTED,
+                node=node,
+                rank=rank,
+                ratio=found.ratio,
+                compute_s=round(found.compute_s, 4),
+                peers_compute_s=round(found.peers_compute_s, 4),
+                peers_wait_s=round(found.peers_wait_s, 4),
+                slow_for_s=round(now - since, 1),
+                evidence=evidence,
+                action="swap at the next checkpoint" if swap else "reported",
+            )
+            if swap:
                 self._swap = node
 
     def committed(self) -> None:

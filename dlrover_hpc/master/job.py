@@ -147,6 +147,10 @@ class Job:
         """The nodes ranked in the current round (whatever their state now)."""
         return [n for n in self.nodes.values() if n.round == self.round and n.rank >= 0]
 
+    def spares(self) -> int:
+        """Agents waiting in rendezvous now, outside the running round (hot spares)."""
+        return len(self._waiting()) if self.phase is Phase.RUNNING else 0
+
     def _waiting(self) -> list[NodeRecord]:
         """Agents in rendezvous with a WaitRound outstanding."""
         return [
