@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 
 from dlrover_hpc.agent import promotion
@@ -389,23 +390,30 @@ class Agent:
 
     async def _heartbeats(self) -> None:
         assert self.link is not None
+        rtt_s = 0.0
         while True:
             await asyncio.sleep(self._heartbeat_s)
             running = self.workers.running and self._round_state is m.NodeState.ACTIVE
             progress = await asyncio.to_thread(self.watchdog.poll) if running else []
+            # The round trip of the previous heartbeat: the master compares nodes' to find a
+            # slow link (a node whose every packet queues behind a throttled or lossy link).
+            beat = m.Heartbeat(
+                agent_id=self.agent_id, round=self.round, progress=progress, rtt_s=rtt_s
+            )
+            sent = time.monotonic()
             try:
                 reply = await self.link.request(
-                    m.Heartbeat(agent_id=self.agent_id, round=self.round, progress=progress),
-                    m.HeartbeatReply,
-                    timeout_s=max(5.0, 2 * self._heartbeat_s),
+                    beat, m.HeartbeatReply, timeout_s=max(5.0, 2 * self._heartbeat_s)
                 )
             except TimeoutError as exc:  # reconnecting, or a busy master: the link decides
                 log.warning("heartbeat unanswered error=%s", exc)
+                rtt_s = 0.0
                 continue
             except ConnectionError as exc:
                 log.error("lost the master error=%s; stopping workers", exc)
                 self._master_gone = True
                 self._stop.set()
                 return
+            rtt_s = round(time.monotonic() - sent, 6)
             if round_over(reply, my_round=self.round, workers_running=self.workers.running):
                 self._round_changed.set()

@@ -50,6 +50,9 @@ STRAGGLER_WINDOW_S = 20.0
 SAMPLE_WINDOW_S = 15.0
 MIN_SAMPLES = 3
 MIN_EXTRA_S = 0.02  # a straggler's compute exceeds its peers' by this much at least
+#: A slow link: a node whose heartbeats take this many times its peers' median round trip,
+#: and at least :data:`MIN_LINK_EXTRA_S` more (every packet of the node queues behind it).
+LINK_FACTOR, MIN_LINK_EXTRA_S = 3.0, 0.015
 HANGS_PER_NODE_FAULT = 2  # the second hang blamed on a node excludes it
 
 #: ``auto``: the learned bound is ``P99_FACTOR x p99 + P99_MARGIN_S``, at least ``FLOOR_S``.
@@ -147,6 +150,21 @@ def stragglers(timings: dict[int, tuple[float, float]], factor: float) -> dict[i
     return out
 
 
+def slow_links(rtts: dict[str, float], *, factor: float = LINK_FACTOR) -> dict[str, Slow]:
+    """Nodes whose median heartbeat round trip is ``factor`` times their peers' median and
+    :data:`MIN_LINK_EXTRA_S` longer (node -> the evidence; ``compute_s`` holds its round trip,
+    ``peers_compute_s`` the peers')."""
+    out = {}
+    for node, rtt in rtts.items():
+        others = [r for n, r in rtts.items() if n != node]
+        if not others:
+            continue
+        peers = statistics.median(others)
+        if rtt >= factor * peers and rtt - peers >= MIN_LINK_EXTRA_S:
+            out[node] = Slow(round(rtt / peers, 2) if peers > 0 else 0.0, rtt, peers, 0.0)
+    return out
+
+
 class HangWatch:
     def __init__(self, job: Job, push: Callable[[str, m.Message], None], job_dir: Path) -> None:
         self.job, self._push, self.job_dir = job, push, job_dir
@@ -161,6 +179,9 @@ class HangWatch:
         self.hangs_by_node: dict[str, int] = {}
         self._slow_since: dict[int, float] = {}
         self._samples: dict[int, collections.deque[tuple[float, float, float]]] = {}
+        self._rtts: dict[str, collections.deque[tuple[float, float]]] = {}  # node -> (at, rtt)
+        self._link_since: dict[str, float] = {}
+        self._reported_links: set[str] = set()
         self._reported: set[int] = set()  # stragglers reported in this round
         self._swap: str | None = None  # a straggler's node, out at the next commit
         self._task: asyncio.Task[None] | None = None
@@ -179,14 +200,21 @@ class HangWatch:
         self.straggler_factor = max(self.straggler_factor, msg.straggler_factor)
         self.exclude_straggler |= msg.exclude_straggler
 
-    def heartbeat(self, rec_node: str, progress: Sequence[m.RankProgress]) -> None:
+    def heartbeat(
+        self, rec_node: str, progress: Sequence[m.RankProgress], *, rtt_s: float = 0.0
+    ) -> None:
         if self.job.round != self._round:
             self._seen.clear()
             self._slow_since.clear()
             self._samples.clear()
             self._reported.clear()
+            self._rtts.clear()
+            self._link_since.clear()
+            self._reported_links.clear()
             self._round = self.job.round
         now = self.job.clock()
+        if rtt_s > 0:
+            self._rtts.setdefault(rec_node, collections.deque(maxlen=64)).append((now, rtt_s))
         for p in progress:
             old = self._seen.get(p.rank)
             self._seen[p.rank] = _Seen(p, rec_node, now)
@@ -254,17 +282,62 @@ class HangWatch:
                 str(r): {"compute_s": round(c, 4), "wait_s": round(w, 4)}
                 for r, (c, w) in sorted(timings.items())[:64]
             }
-            swap = self._swap is None and (self.exclude_straggler or self.job.spares() > 0)
+            swap = self._swap_wanted()
             self.job.emit(
                 EventName.STRAGGLER_DETECTED,
                 node=node,
                 rank=rank,
+                cause="compute",
                 ratio=found.ratio,
                 compute_s=round(found.compute_s, 4),
                 peers_compute_s=round(found.peers_compute_s, 4),
                 peers_wait_s=round(found.peers_wait_s, 4),
                 slow_for_s=round(now - since, 1),
                 evidence=evidence,
+                action="swap at the next checkpoint" if swap else "reported",
+            )
+            if swap:
+                self._swap = node
+        self._check_links(now)
+
+    def _swap_wanted(self) -> bool:
+        """Swap a straggler's node at the next checkpoint: a spare waits to take its place
+        (or the user asked for --exclude-straggler), and no other swap is pending."""
+        return self._swap is None and (self.exclude_straggler or self.job.spares() > 0)
+
+    def _check_links(self, now: float) -> None:
+        rtts = {}
+        for node, samples in self._rtts.items():
+            recent = [r for at, r in samples if now - at <= SAMPLE_WINDOW_S]
+            if len(recent) >= MIN_SAMPLES:
+                rtts[node] = statistics.median(recent)
+        slow = slow_links(rtts)
+        for node in list(self._link_since):
+            if node not in slow:
+                del self._link_since[node]
+        for node, found in slow.items():
+            since = self._link_since.setdefault(node, now)
+            if now - since < STRAGGLER_WINDOW_S or node in self._reported_links:
+                continue
+            self._reported_links.add(node)
+            ranks = sorted(r for r, s in self._seen.items() if s.node == node)
+            log.warning(
+                "slow link node=%s rtt=%.4fs peers=%.4fs",
+                node,
+                found.compute_s,
+                found.peers_compute_s,
+            )
+            swap = self._swap_wanted()
+            self.job.emit(
+                EventName.STRAGGLER_DETECTED,
+                node=node,
+                rank=ranks[0] if ranks else -1,
+                cause="link",
+                ratio=found.ratio,
+                rtt_s=round(found.compute_s, 4),
+                peers_rtt_s=round(found.peers_compute_s, 4),
+                slow_for_s=round(now - since, 1),
+                evidence={n: {"rtt_s": round(r, 4)} for n, r in sorted(rtts.items())[:64]},
                 action="swap at the next checkpoint" if swap else "reported",
             )
             if swap:

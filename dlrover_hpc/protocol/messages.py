@@ -142,6 +142,7 @@ class Heartbeat(Message):
     agent_id: str
     round: int
     progress: list[RankProgress] = dataclasses.field(default_factory=list)
+    rtt_s: float = 0.0  # how long the agent's previous heartbeat took to be answered (0: none)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

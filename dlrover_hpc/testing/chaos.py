@@ -12,18 +12,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import glob
 import itertools
 import os
 import random
 import signal
 import statistics
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import psutil
 
+from dlrover_hpc import progress
 from dlrover_hpc.testing.local_slurm import LocalSlurm
 
 AGENT_MARKS = ("dlrover-run", "dlrover_hpc.cli.run")
@@ -39,6 +42,10 @@ class FaultKind(enum.StrEnum):
     LINK_CUT = "link_cut"  # the node's control link down for heal_s
     NODE_CRASH = "node_crash"  # every process of the node, marked down; back after heal_s
     DRAIN = "drain"  # an admin drains a node; resumed after heal_s
+    # Faults that do not crash anything (issue 25):
+    WORKER_HANG = "worker_hang"  # SIGSTOP one training process, never continued
+    SLOW_NODE = "slow_node"  # one training process runs 1/4 of the time, for heal_s
+    LINK_SLOW = "link_slow"  # the node's link rate-limited (tbf; no netem here), for heal_s
 
 
 #: Seconds until the node is healed, per kind (0: nothing to heal).
@@ -49,7 +56,19 @@ HEAL_S = {
     FaultKind.LINK_CUT: 30.0,
     FaultKind.NODE_CRASH: 20.0,
     FaultKind.DRAIN: 60.0,
+    FaultKind.WORKER_HANG: 0.0,
+    FaultKind.SLOW_NODE: 120.0,
+    FaultKind.LINK_SLOW: 120.0,
 }
+#: A slow node's worker runs ``SLOW_ON_S`` of every ``SLOW_PERIOD_S`` (SIGCONT, then SIGSTOP):
+#: whatever it does, a step that needs the CPU waits for its next turn, as behind a throttled
+#: CPU (a cgroup quota would not slow the sleeps a toy step is made of).
+SLOW_PERIOD_S, SLOW_ON_S = 0.4, 0.1
+#: A slow link's rate: the gloo traffic of a toy DDP job fills it, so every packet queues.
+LINK_SLOW_RATE = "1mbit"
+PROCESS_LEVEL = frozenset(
+    {FaultKind.WORKER_KILL, FaultKind.AGENT_KILL, FaultKind.WORKER_HANG, FaultKind.SLOW_NODE}
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,12 +127,15 @@ class Chaos:
     cluster: LocalSlurm
     spared: frozenset[str]
     heal_s: dict[FaultKind, float] = dataclasses.field(default_factory=dict)  # over HEAL_S
+    job_id: str = ""  # finds the training processes (hang, slow node) by their progress records
     log: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     _heals: list[tuple[float, FaultKind, str]] = dataclasses.field(default_factory=list)
+    _stopped: list[int] = dataclasses.field(default_factory=list)
+    _throttles: dict[str, threading.Event] = dataclasses.field(default_factory=dict)
 
     def inject(self, fault: Fault, training: Sequence[str], workers: dict[str, list[int]]) -> None:
         """``training``: the nodes of the job's newest round; ``workers``: node -> pids."""
-        node_level = fault.kind not in (FaultKind.WORKER_KILL, FaultKind.AGENT_KILL)
+        node_level = fault.kind not in PROCESS_LEVEL
         busy = {n for _, _, n in self._heals}
         nodes = [n for n in training if not (node_level and n in self.spared) and n not in busy]
         if not nodes:
@@ -136,6 +158,18 @@ class Chaos:
                 self.cluster.kill_node(node)
             case FaultKind.DRAIN:
                 _scontrol(f"nodename={node}", "state=drain", "reason=chaos: admin drain")
+            case FaultKind.WORKER_HANG:
+                for pid in training_pids(self.job_id, node)[:1]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGSTOP)
+                        self._stopped.append(pid)
+            case FaultKind.SLOW_NODE:
+                for pid in training_pids(self.job_id, node)[:1]:
+                    stop = threading.Event()
+                    self._throttles[node] = stop
+                    threading.Thread(target=_throttle, args=(pid, stop), daemon=True).start()
+            case FaultKind.LINK_SLOW:
+                self.cluster.slow_link(node, rate=LINK_SLOW_RATE)
         self.log.append({"time": time.time(), "kind": fault.kind.value, "node": node})
         heal_s = self.heal_s.get(fault.kind, HEAL_S[fault.kind])
         if heal_s:
@@ -152,6 +186,39 @@ class Chaos:
                 self.cluster.restart_node(node)
             elif kind is FaultKind.DRAIN:
                 _scontrol(f"nodename={node}", "state=resume")
+            elif kind is FaultKind.SLOW_NODE and node in self._throttles:
+                self._throttles.pop(node).set()
+            elif kind is FaultKind.LINK_SLOW:
+                self.cluster.unslow_link(node)
+        if all_now:  # a hung worker the job never restarted would outlive it
+            for pid in self._stopped:
+                _kill(pid)
+            self._stopped.clear()
+
+
+def training_pids(job_id: str, node: str) -> list[int]:
+    """The node's training processes (forked by the zygote: not the pids torch's API knows),
+    from their progress records in /dev/shm, local rank 0 first."""
+    found = []
+    for path in sorted(glob.glob(f"/dev/shm/dlrover-hpc-*-{job_id}-{node}-a*-*.progress")):
+        record = progress.read(path)
+        if record is not None and record.pid > 0 and psutil.pid_exists(record.pid):
+            found.append(record.pid)
+    return found
+
+
+def _throttle(pid: int, stop: threading.Event) -> None:
+    """Runs ``pid`` :data:`SLOW_ON_S` of every :data:`SLOW_PERIOD_S` until ``stop``."""
+    try:
+        while not stop.is_set():
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(SLOW_ON_S)
+            os.kill(pid, signal.SIGSTOP)
+            stop.wait(SLOW_PERIOD_S - SLOW_ON_S)
+    except ProcessLookupError:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
 
 
 def _kill(pid: int) -> None:

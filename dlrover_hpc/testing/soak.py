@@ -88,7 +88,7 @@ def run_soak(
             raise RuntimeError(f"job {job} did not start training: {_job_state(job)}")
         time.sleep(0.5)
     master_node = json.loads((job_dir / "master.json").read_text())["host"]
-    chaos = Chaos(cluster, spared=frozenset({master_node}), heal_s=heal_s or {})
+    chaos = Chaos(cluster, spared=frozenset({master_node}), heal_s=heal_s or {}, job_id=job)
     started = time.time()
     try:
         for fault in faults:

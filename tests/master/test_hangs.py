@@ -267,3 +267,37 @@ def test_without_a_spare_a_straggler_is_only_reported(tmp_path: Path) -> None:
         assert h.job.phase is Phase.RUNNING and h.job.nodes[agents[2]].state is NodeState.ACTIVE
 
     run(body)
+
+
+def test_a_node_whose_heartbeats_queue_behind_a_slow_link_is_found() -> None:
+    rtts = {"n1": 0.0008, "n2": 0.001, "n3": 0.0009, "n4": 0.12}
+    assert hangs.slow_links(rtts) == {"n4": hangs.Slow(133.33, 0.12, 0.0009, 0.0)}
+    # a few milliseconds of scheduling noise on a loaded machine is not a slow link
+    assert hangs.slow_links({"n1": 0.001, "n2": 0.001, "n3": 0.009}) == {}
+    assert hangs.slow_links({"n1": 0.5}) == {}  # nobody to compare with
+
+
+def test_a_sustained_slow_link_is_reported_with_its_round_trips(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3")
+        agents = h.start("n1", "n2", "n3")
+        watch = _watch(h, tmp_path)
+        watch.straggler_factor = 2.0
+        deadline, found = h.clock.now + 120, []
+        while h.clock.now < deadline and not found:
+            for agent, rtt in zip(agents, (0.001, 0.0012, 0.2), strict=True):
+                progress = [m.RankProgress(rank=r, step=1, stalled_s=0.0) for r in _ranks(h, agent)]
+                watch.heartbeat(h.job.nodes[agent].node, progress, rtt_s=rtt)
+            watch.check()
+            found = h.events("straggler_detected")
+            h.clock.now += 1.0
+        [e] = found
+        assert e["node"] == "n3" and e["cause"] == "link" and e["rank"] == 4, e
+        assert e["rtt_s"] == 0.2 and e["peers_rtt_s"] == 0.0011 and e["action"] == "reported"
+        assert e["evidence"] == {
+            "n1": {"rtt_s": 0.001},
+            "n2": {"rtt_s": 0.0012},
+            "n3": {"rtt_s": 0.2},
+        }
+
+    run(body)
