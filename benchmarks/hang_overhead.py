@@ -1,11 +1,13 @@
-"""What watching a worker costs its training step (issue 13).
+"""What watching a worker costs its training step (issues 13 and 25).
 
 One worker process trains a small MLP on CPU (forward, backward, Adam) and times its steps,
 in interleaved runs of each mode, so every mode sees the same machine:
 
 - ``bare``: no hooks, nothing watching (the baseline);
-- ``hooks``: the worker hooks dlrover-run installs (the optimizer step hook writing the
-  progress record, faulthandler on SIGUSR2);
+- ``hooks``: the worker hooks dlrover-run installs by default (the optimizer step hooks
+  writing the progress record with the step-time p99 and the step's compute and wait, one
+  gradient hook per parameter, the eval and data-loader sections, faulthandler on SIGUSR2):
+  what hang and fail-slow detection cost;
 - ``hooks+forward``: plus the global module hooks that time the forward (straggler detection);
 - ``sampled``: hooks, and the agent reading the worker's stack with py-spy every
   ``--sample-s`` seconds all along (the watchdog only samples while steps stall: this is the
