@@ -155,6 +155,7 @@ class _Rank:
     compute_s: float = 0.0
     wait_s: float = 0.0
     section: progress.Section | None = None
+    stack_phase: progress.Section | None = None  # a long phase seen in its stack (no hook)
     changed_at: float = 0.0
     sampled_at: float = 0.0
     signature: tuple[st.Frame, ...] = ()
@@ -208,6 +209,7 @@ class Watchdog:
             section = progress.read_section(r.path)
             if section != r.section:
                 r.section, r.changed_at = section, now  # a phase began or ended
+            section = section or r.stack_phase
             if record is not None and record.count != r.count:
                 r.count, r.step, r.changed_at = record.count, record.step, now
                 r.step_at = record.time
@@ -215,6 +217,7 @@ class Watchdog:
                 r.p99_s = record.p99_s
                 r.compute_s, r.wait_s = record.compute_s, record.wait_s
                 r.signature = ()  # stacks are compared among samples taken since
+                r.stack_phase = None
             elif (section is not None or r.count <= 1) and self._busy(r, now):
                 r.changed_at = now  # in a section, or never stepped: its CPU use is the signal
             if now - r.changed_at >= self.sample_s and now - r.sampled_at >= self.sample_s:
@@ -224,6 +227,13 @@ class Watchdog:
                 if signature and r.signature and signature != r.signature:
                     r.changed_at = now  # it moves: busy between steps, not stuck
                 r.signature = signature or r.signature
+                phase = st.phase_of(stack)
+                if not phase:
+                    r.stack_phase = None
+                elif r.stack_phase is None or r.stack_phase.name != phase:
+                    # torch.save, an evaluation loop: the section's bound, from now on
+                    r.stack_phase, r.changed_at = progress.Section(phase, time.time()), now
+                section = section or r.stack_phase
             wall = time.time()
             out.append(
                 m.RankProgress(

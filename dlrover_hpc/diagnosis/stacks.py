@@ -220,3 +220,33 @@ def rank_text(r: RankStack) -> str:
     head = f"rank {r.rank} node {r.node} pid {r.pid} status {r.status} step {r.step}"
     body = r.stack.text() if r.stack is not None else f"(stack unreadable: {r.error})"
     return f"{head}\n{body}\n"
+
+
+#: Long phases recognised from a stalled rank's main thread when no hook marked them (a
+#: script that saves with ``torch.save`` or evaluates through a framework): (section, where).
+#: Frames are matched by file path fragment or by function name.  A data loader is not among
+#: them: a rank blocked in one mid-epoch is a hang (its start is marked by the hooks).
+PHASE_FRAMES: tuple[tuple[str, str], ...] = (
+    ("checkpoint", "torch/serialization.py"),
+    ("checkpoint", "torch/distributed/checkpoint/"),
+    ("checkpoint", "safetensors/"),
+    ("checkpoint", "save_checkpoint"),
+    ("checkpoint", "load_checkpoint"),
+    ("checkpoint", "save_pretrained"),
+    ("checkpoint", "_save_checkpoint"),
+    ("eval", "evaluation_loop"),
+    ("eval", "lightning/pytorch/loops/evaluation_loop.py"),
+    ("eval", "lightning/pytorch/loops/prediction_loop.py"),
+)
+
+
+def phase_of(stack: Stack | None) -> str:
+    """The long phase the main thread is in, by its frames (:data:`PHASE_FRAMES`), or ""."""
+    main = stack.main_thread() if stack is not None else None
+    if main is None:
+        return ""
+    for frame in main.frames:
+        for phase, where in PHASE_FRAMES:
+            if where in frame.file if "/" in where else where == frame.function:
+                return phase
+    return ""

@@ -108,7 +108,10 @@ def hung_ranks(
     longest: Bound | None = None
     for p, at in seen:
         bound = rank_bound(p, timeout_s=timeout_s, p99_s=p99)
-        if p.stalled_s + (now - at) < bound.seconds:
+        # In a section, CPU use is progress; a section open past the ceiling is not (a rank
+        # that spins in a collective it will never leave).
+        forever = bool(p.section) and p.section_s + (now - at) >= HANG_CEILING_S
+        if p.stalled_s + (now - at) < bound.seconds and not forever:
             return None
         if longest is None or bound.seconds > longest.seconds:
             longest = bound

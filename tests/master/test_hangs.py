@@ -74,6 +74,10 @@ def test_a_rank_within_its_section_bound_keeps_the_job_from_a_hang() -> None:
         600.0, "section eval"
     )
     assert hangs.hung_ranks(waiting, now=10.0, timeout_s=0.0) is None  # off
+    # busy in its section (its CPU counts as progress), but open past the 1800 s ceiling
+    spinning = [*waiting, (_p(2, 0.0, section="eval", section_s=1700.0), 10.0)]
+    assert hangs.hung_ranks(spinning, now=10.0, timeout_s=AUTO) is None
+    assert hangs.hung_ranks(spinning, now=110.0, timeout_s=AUTO) is not None
 
 
 def test_the_master_takes_a_fixed_timeout_over_auto_and_auto_over_off(tmp_path: Path) -> None:
