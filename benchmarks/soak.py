@@ -2,7 +2,10 @@
 
 A 5-node allocation trains with ``--nnodes=3:4`` (4 train, 1 hot spare) while a seeded stream
 of faults hits the job's nodes every ~50 s: SIGKILL of a worker, of an agent, of slurmd; a
-node's link cut for 30 s; a node crash (back after 20 s); an admin drain (resumed after 60 s).
+node's link cut for 30 s; a node crash (back after 20 s); an admin drain (resumed after 60 s);
+and the faults that crash nothing (issue 25): a worker SIGSTOPped for good (``worker_hang``),
+a worker run a quarter of the time for 120 s (``slow_node``), a node's link rate-limited for
+120 s (``link_slow``).  The job runs with the default flags.  ``--kinds`` picks a subset.
 The master's node is spared (it has no stand-by yet).  Prints one JSON line: goodput (distinct
 steps x ideal step time / wall; the ideal step time is the median interval between
 consecutive steps of the same run, the baseline measured in the same job), each stall with its
@@ -28,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from dlrover_hpc.report.analysis import analyze, read_events  # noqa: E402
 from dlrover_hpc.testing import LocalSlurm, LocalSlurmConfig  # noqa: E402
+from dlrover_hpc.testing.chaos import FaultKind  # noqa: E402
 from dlrover_hpc.testing.soak import run_soak  # noqa: E402
 
 
@@ -40,6 +44,11 @@ def main() -> None:
     p.add_argument("--nnodes", default="3:4")
     p.add_argument("--step-time", type=float, default=0.1)
     p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument(
+        "--kinds",
+        default=",".join(FaultKind),
+        help=f"comma-separated fault kinds (default: all of {', '.join(FaultKind)})",
+    )
     args = p.parse_args()
     cluster = LocalSlurm(LocalSlurmConfig(nodes=args.nodes))
     state = cluster._load_state() or {}
@@ -57,6 +66,7 @@ def main() -> None:
             every_s=args.every,
             seed=args.seed,
             step_time=args.step_time,
+            kinds=tuple(FaultKind(k) for k in args.kinds.split(",")),
         )
     finally:
         cluster.down()
