@@ -57,8 +57,10 @@ HANGS_PER_NODE_FAULT = 2  # the second hang blamed on a node excludes it
 
 #: ``auto``: the learned bound is ``P99_FACTOR x p99 + P99_MARGIN_S``, at least ``FLOOR_S``.
 FLOOR_S, P99_FACTOR, P99_MARGIN_S = 30.0, 2.0, 10.0
-#: ``auto``: a rank that has no step-time p99 yet (the first steps of its process).
-WARMUP_BOUND_S = 600.0
+#: ``auto``: a rank that has no step-time p99 yet (the first steps of its process).  Once a
+#: round of the job got through its warm-up, later rounds get 3 x the longest warm-up seen
+#: + 30 s, at least :data:`WARMUP_MIN_S` (a restart after a hang must not wait 10 minutes).
+WARMUP_BOUND_S, WARMUP_MIN_S = 600.0, 120.0
 #: ``auto``: each section's own bound, unless the script gave one; other names get ``eval``'s.
 #: A rank in a section also progresses while it (or a data-loader worker) uses CPU.
 SECTION_BOUNDS_S = {"checkpoint": 600.0, "eval": 600.0, "data": 300.0, "warmup": WARMUP_BOUND_S}
@@ -82,7 +84,16 @@ def job_p99(progress: Sequence[m.RankProgress]) -> float:
     return max((p.p99_s for p in progress), default=0.0)
 
 
-def rank_bound(p: m.RankProgress, *, timeout_s: float, p99_s: float) -> Bound:
+def warmup_bound(longest_s: float) -> float:
+    """The warm-up bound once a warm-up of ``longest_s`` was seen (0: none yet)."""
+    if longest_s <= 0:
+        return WARMUP_BOUND_S
+    return min(WARMUP_BOUND_S, max(WARMUP_MIN_S, 3 * longest_s + 30.0))
+
+
+def rank_bound(
+    p: m.RankProgress, *, timeout_s: float, p99_s: float, warmup_s: float = WARMUP_BOUND_S
+) -> Bound:
     """How long ``p``'s rank may go without progress (see the module's docstring)."""
     if timeout_s != HANG_AUTO:
         return Bound(timeout_s, "--hang-timeout")
@@ -90,14 +101,18 @@ def rank_bound(p: m.RankProgress, *, timeout_s: float, p99_s: float) -> Bound:
         bound = p.section_bound_s or SECTION_BOUNDS_S.get(p.section, SECTION_BOUNDS_S["eval"])
         source = f"section {p.section}"
     elif p.p99_s <= 0 or p99_s <= 0:
-        bound, source = WARMUP_BOUND_S, "warm-up"
+        bound, source = warmup_s, "warm-up"
     else:
         bound, source = max(FLOOR_S, P99_FACTOR * p99_s + P99_MARGIN_S), "step statistics"
     return Bound(bound, source) if bound <= HANG_CEILING_S else Bound(HANG_CEILING_S, "ceiling")
 
 
 def hung_ranks(
-    seen: Sequence[tuple[m.RankProgress, float]], *, now: float, timeout_s: float
+    seen: Sequence[tuple[m.RankProgress, float]],
+    *,
+    now: float,
+    timeout_s: float,
+    warmup_s: float = WARMUP_BOUND_S,
 ) -> Bound | None:
     """Every rank went without progress for its bound (each report aged by the time since it
     arrived): the longest of those bounds, the one that decided; None while any rank is within
@@ -107,7 +122,7 @@ def hung_ranks(
     p99 = job_p99([p for p, _ in seen])
     longest: Bound | None = None
     for p, at in seen:
-        bound = rank_bound(p, timeout_s=timeout_s, p99_s=p99)
+        bound = rank_bound(p, timeout_s=timeout_s, p99_s=p99, warmup_s=warmup_s)
         # In a section, CPU use is progress; a section open past the ceiling is not (a rank
         # that spins in a collective it will never leave).
         forever = bool(p.section) and p.section_s + (now - at) >= HANG_CEILING_S
@@ -183,6 +198,9 @@ class HangWatch:
         self._slow_since: dict[int, float] = {}
         self._samples: dict[int, collections.deque[tuple[float, float, float]]] = {}
         self._rtts: dict[str, collections.deque[tuple[float, float]]] = {}  # node -> (at, rtt)
+        #: master clock of the round's first report; 0: none yet; None: its warm-up is measured
+        self._round_began: float | None = 0.0
+        self.longest_warmup_s = 0.0  # from a round's first report to every rank's p99
         self._link_since: dict[str, float] = {}
         self._reported_links: set[str] = set()
         self._reported: set[int] = set()  # stragglers reported in this round
@@ -215,7 +233,10 @@ class HangWatch:
             self._link_since.clear()
             self._reported_links.clear()
             self._round = self.job.round
+            self._round_began = 0.0
         now = self.job.clock()
+        if self._round_began == 0.0:
+            self._round_began = now
         if rtt_s > 0:
             self._rtts.setdefault(rec_node, collections.deque(maxlen=64)).append((now, rtt_s))
         for p in progress:
@@ -245,7 +266,15 @@ class HangWatch:
         world = sum(n.nproc for n in job.participants())
         seen = [(s.progress, s.at) for s in self._seen.values()]
         ready = self.timeout_s and len(seen) >= world > 0
-        bound = hung_ranks(seen, now=now, timeout_s=self.timeout_s) if ready else None
+        if ready and self._round_began and all(p.p99_s > 0 for p, _ in seen):
+            self.longest_warmup_s = max(self.longest_warmup_s, now - self._round_began)
+            self._round_began = None  # measured once per round
+        warmup_s = warmup_bound(self.longest_warmup_s)
+        bound = (
+            hung_ranks(seen, now=now, timeout_s=self.timeout_s, warmup_s=warmup_s)
+            if ready
+            else None
+        )
         if bound is not None:
             self._busy = True
             self._task = asyncio.get_running_loop().create_task(self._hang(bound))

@@ -305,3 +305,31 @@ def test_a_sustained_slow_link_is_reported_with_its_round_trips(tmp_path: Path) 
         }
 
     run(body)
+
+
+def test_later_rounds_get_a_warm_up_bound_learned_from_the_first() -> None:
+    assert hangs.warmup_bound(0.0) == 600.0  # the first round: compilation may take long
+    assert hangs.warmup_bound(20.0) == 120.0  # 3 x 20 + 30 = 90, at least 120
+    assert hangs.warmup_bound(100.0) == 330.0
+    assert hangs.warmup_bound(400.0) == 600.0
+    cold = _p(0, 0, p99=0.0)
+    assert hangs.rank_bound(cold, timeout_s=AUTO, p99_s=0.5, warmup_s=120.0) == hangs.Bound(
+        120.0, "warm-up"
+    )
+
+
+def test_the_watch_measures_a_rounds_warm_up_once(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="1:3")
+        agents = h.start("n1", "n2")
+        watch = _watch(h, tmp_path)
+        watch.timeout_s = AUTO
+        for p99 in (0.0, 0.0, 0.2, 0.2):
+            for agent in agents:
+                progress = [_p(r, 0.0, p99=p99) for r in _ranks(h, agent)]
+                watch.heartbeat(h.job.nodes[agent].node, progress)
+            watch.check()
+            h.clock.now += 10.0
+        assert watch.longest_warmup_s == 20.0  # from the first report to every rank's p99
+
+    run(body)
