@@ -27,10 +27,12 @@ import collections
 import dataclasses
 import itertools
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from dlrover_hpc.config import HANG_AUTO, HANG_CEILING_S
 from dlrover_hpc.diagnosis import stacks as st
@@ -48,6 +50,7 @@ COLLECT_TIMEOUT_S = 15.0
 #: check comparing the medians of the steps reported in the last :data:`SAMPLE_WINDOW_S`.
 STRAGGLER_WINDOW_S = 20.0
 SAMPLE_WINDOW_S = 15.0
+STRAGGLER_CHECK_S = 2.0  # compare ranks this often (linear in the ranks)
 MIN_SAMPLES = 3
 MIN_EXTRA_S = 0.02  # a straggler's compute exceeds its peers' by this much at least
 #: A slow link: a node whose heartbeats take this many times its peers' median round trip,
@@ -143,6 +146,23 @@ class Slow:
     peers_wait_s: float  # the median of its peers' median waits: the time they wait for it
 
 
+#: Up to this many ranks (nodes) each is compared with the median of the *others*; beyond it,
+#: with the median of all (the same but for one value, and linear, not quadratic, at scale).
+EXACT_PEERS = 32
+
+
+def _peer_medians(values: dict[Any, float]) -> dict[Any, float]:
+    """Each key's peers' median value (see :data:`EXACT_PEERS`)."""
+    if len(values) > EXACT_PEERS:
+        everyone = statistics.median(values.values())
+        return dict.fromkeys(values, everyone)
+    return {
+        k: statistics.median([v for j, v in values.items() if j != k])
+        for k in values
+        if len(values) > 1
+    }
+
+
 def stragglers(timings: dict[int, tuple[float, float]], factor: float) -> dict[int, Slow]:
     """Ranks that hold the others back (fail-slow): ``timings`` is each rank's median compute
     and wait per step (data, forward, backward, optimizer; and the wait for its peers).  A
@@ -150,13 +170,11 @@ def stragglers(timings: dict[int, tuple[float, float]], factor: float) -> dict[i
     more, and its peers wait for it: their median wait covers at least half the difference.
     Without that wait the ranks do not train in lockstep, and nobody is held back."""
     timed = {r: t for r, t in timings.items() if t[0] > 0}
+    peers_compute = _peer_medians({r: c for r, (c, _) in timed.items()})
+    peers_wait = _peer_medians({r: w for r, (_, w) in timed.items()})
     out = {}
-    for rank, (compute, _) in timed.items():
-        others = [t for r, t in timed.items() if r != rank]
-        if not others:
-            continue
-        peers = statistics.median(c for c, _ in others)
-        waited = statistics.median(w for _, w in others)
+    for rank, peers in peers_compute.items():
+        compute, waited = timed[rank][0], peers_wait[rank]
         extra = compute - peers
         if (
             peers > 0
@@ -173,11 +191,8 @@ def slow_links(rtts: dict[str, float], *, factor: float = LINK_FACTOR) -> dict[s
     :data:`MIN_LINK_EXTRA_S` longer (node -> the evidence; ``compute_s`` holds its round trip,
     ``peers_compute_s`` the peers')."""
     out = {}
-    for node, rtt in rtts.items():
-        others = [r for n, r in rtts.items() if n != node]
-        if not others:
-            continue
-        peers = statistics.median(others)
+    for node, peers in _peer_medians(rtts).items():
+        rtt = rtts[node]
         if rtt >= factor * peers and rtt - peers >= MIN_LINK_EXTRA_S:
             out[node] = Slow(round(rtt / peers, 2) if peers > 0 else 0.0, rtt, peers, 0.0)
     return out
@@ -200,6 +215,7 @@ class HangWatch:
         self._rtts: dict[str, collections.deque[tuple[float, float]]] = {}  # node -> (at, rtt)
         #: master clock of the round's first report; 0: none yet; None: its warm-up is measured
         self._round_began: float | None = 0.0
+        self._stragglers_checked = -math.inf
         self.longest_warmup_s = 0.0  # from a round's first report to every rank's p99
         self._link_since: dict[str, float] = {}
         self._reported_links: set[str] = set()
@@ -238,12 +254,12 @@ class HangWatch:
         if self._round_began == 0.0:
             self._round_began = now
         if rtt_s > 0:
-            self._rtts.setdefault(rec_node, collections.deque(maxlen=64)).append((now, rtt_s))
+            self._rtts.setdefault(rec_node, collections.deque(maxlen=16)).append((now, rtt_s))
         for p in progress:
             old = self._seen.get(p.rank)
             self._seen[p.rank] = _Seen(p, rec_node, now)
             if p.compute_s > 0 and (old is None or old.progress.at != p.at):  # a new step
-                samples = self._samples.setdefault(p.rank, collections.deque(maxlen=64))
+                samples = self._samples.setdefault(p.rank, collections.deque(maxlen=16))
                 samples.append((now, p.compute_s, p.wait_s))
 
     def stacks_dumped(self, msg: m.StacksDumped) -> m.Ack:
@@ -279,7 +295,8 @@ class HangWatch:
             self._busy = True
             self._task = asyncio.get_running_loop().create_task(self._hang(bound))
             return
-        if self.straggler_factor:
+        if self.straggler_factor and now - self._stragglers_checked >= STRAGGLER_CHECK_S:
+            self._stragglers_checked = now
             self._check_stragglers(now)
 
     def _check_stragglers(self, now: float) -> None:
