@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import os
 import struct
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -95,7 +96,21 @@ class _Reporter:
         self._sectioned = False  # a section was open since the newest step
         self._sections: list[tuple[int, str, float, float]] = []  # (token, name, since, bound)
         self._tokens = 0
+        self._since_sort = 0
+        self._lock = threading.Lock()  # sections may open and close on other threads
+        self._forked = False  # a child forked after the rank opened its record (data loader)
         self.clock = time.monotonic  # tests set their own
+
+    def after_fork_in_child(self) -> None:
+        """A data-loader worker (or any child) of a rank must not write the rank's sections."""
+        if self._pid != -1:
+            self._forked = True
+            self._sections = []
+            self._lock = threading.Lock()
+
+    def adopt(self) -> None:
+        """This process owns its record after all (a worker forked from the zygote)."""
+        self._forked = False
 
     def write(
         self, step: int, forward_s: float, compute_s: float = 0.0, wait_s: float = 0.0
@@ -104,13 +119,18 @@ class _Reporter:
         if not path:
             return
         if path != self.path or os.getpid() != self._pid:  # first call, or a forked child
-            self._open(path)
+            try:
+                self._open(path)
+            except OSError:
+                return  # progress must never break training
         now = self.clock()
         if step == self.step + 1 and self._last_at:
             self._steps_seen += 1
             if self._steps_seen > WARMUP_STEPS and not self._sectioned:
                 self._times.append(now - self._last_at)
-                if len(self._times) >= MIN_STEPS and (len(self._times) % 10 == 0 or not self._p99):
+                self._since_sort += 1
+                if len(self._times) >= MIN_STEPS and (self._since_sort >= 10 or not self._p99):
+                    self._since_sort = 0
                     ordered = sorted(self._times)
                     self._p99 = ordered[int(0.99 * (len(ordered) - 1))]
         self._last_at, self._sectioned = now, bool(self._sections)
@@ -122,24 +142,26 @@ class _Reporter:
             os.pwrite(self.fd, record, 0)
 
     def enter(self, name: str, bound_s: float) -> int:
-        self._tokens += 1
-        self._sections.append((self._tokens, name, time.time(), bound_s))
-        self._sectioned = True
-        self._write_section()
-        return self._tokens
+        with self._lock:
+            self._tokens += 1
+            self._sections.append((self._tokens, name, time.time(), bound_s))
+            self._sectioned = True
+            self._write_section()
+            return self._tokens
 
     def leave(self, token: int) -> None:
-        kept = [s for s in self._sections if s[0] != token]
-        if len(kept) != len(self._sections):
-            self._sections = kept
-            self._write_section()
+        with self._lock:
+            kept = [s for s in self._sections if s[0] != token]
+            if len(kept) != len(self._sections):
+                self._sections = kept
+                self._write_section()
 
     def open_sections(self) -> list[str]:
         return [name for _, name, _, _ in self._sections]
 
     def _write_section(self) -> None:
         path = os.environ.get(PATH_ENV, "")
-        if not path:
+        if not path or self._forked:
             return
         if path != self.path or os.getpid() != self._pid:
             try:
@@ -187,6 +209,7 @@ class _Reporter:
 
 
 _reporter = _Reporter()
+os.register_at_fork(after_in_child=_reporter.after_fork_in_child)
 
 
 def step(
@@ -205,10 +228,7 @@ def section(name: str, *, timeout_s: float = 0.0) -> Iterator[None]:
     any other name gets the eval bound), and its use of the CPU counts as progress.  Steps
     that overlap a section do not count towards the learned step time.  Nests; does nothing
     outside ``dlrover-run``."""
-    if not (timeout_s >= 0 and timeout_s != float("inf")):
-        raise ValueError(
-            f"section {name!r}: timeout_s={timeout_s!r} must be 0 (default) or seconds"
-        )
+    _check_bound(name, timeout_s)
     token = _reporter.enter(name, float(timeout_s))
     try:
         yield
@@ -233,7 +253,20 @@ def sectioned(name: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
 def enter_section(name: str, *, timeout_s: float = 0.0) -> int:
     """:func:`section` for phases that do not fit a ``with`` block; returns a token for
     :func:`leave_section`."""
+    _check_bound(name, timeout_s)
     return _reporter.enter(name, float(timeout_s))
+
+
+def _check_bound(name: str, timeout_s: float) -> None:
+    if not (timeout_s >= 0 and timeout_s != float("inf")):
+        raise ValueError(
+            f"section {name!r}: timeout_s={timeout_s!r} must be 0 (default) or seconds"
+        )
+
+
+def adopt() -> None:
+    """Called by a worker forked from the zygote: the record is this process's own."""
+    _reporter.adopt()
 
 
 def leave_section(token: int) -> None:

@@ -160,6 +160,7 @@ class _Rank:
     sampled_at: float = 0.0
     signature: tuple[st.Frame, ...] = ()
     cpu: tuple[float, float] = (0.0, 0.0)  # CPU seconds used, and when that was read
+    child_cpu: tuple[float, float] = (0.0, 0.0)  # the same, of its children alone
 
     def seen(self, record: progress.Progress | None) -> None:
         if record is not None and record.pid > 0:
@@ -220,8 +221,14 @@ class Watchdog:
                 r.stack_phase = None
             elif (section is not None or r.count <= 1) and self._busy(r, now):
                 r.changed_at = now  # in a section, or never stepped: its CPU use is the signal
-            if now - r.changed_at >= self.sample_s and now - r.sampled_at >= self.sample_s:
+            stalled = now - r.changed_at >= self.sample_s
+            if (stalled or r.stack_phase is not None) and now - r.sampled_at >= self.sample_s:
                 r.sampled_at = now
+                # Outside sections the rank's own CPU says nothing (a GPU collective may spin
+                # on it), but its children's does: a data-loader worker, a compile worker, a
+                # copy to storage run as a subprocess.
+                if stalled and section is None and r.count > 1 and self._busy(r, now, own=False):
+                    r.changed_at = now
                 stack, _ = self.reader.read(r.pid, r.path)
                 signature = stack.signature() if stack is not None else ()
                 if signature and r.signature and signature != r.signature:
@@ -246,20 +253,23 @@ class Watchdog:
                     compute_s=r.compute_s,
                     wait_s=r.wait_s,
                     section=section.name if section else "",
-                    section_s=round(max(0.0, wall - section.since), 3) if section else 0.0,
+                    # since the section began, or the rank's newest step in it
+                    section_s=round(max(0.0, wall - max(section.since, r.step_at)), 3)
+                    if section
+                    else 0.0,
                     section_bound_s=section.bound_s if section else 0.0,
                 )
             )
         return out
 
     @staticmethod
-    def _busy(r: _Rank, now: float) -> bool:
-        """It and its children (data-loader workers) used more than :data:`BUSY_CPU` of a core
-        since the last sample (a worker that waits in a collective or is stopped uses next to
-        nothing)."""
+    def _busy(r: _Rank, now: float, *, own: bool = True) -> bool:
+        """It and its children (data-loader workers; only those when not ``own``) used more
+        than :data:`BUSY_CPU` of a core since the last sample (a worker that waits in a
+        collective or is stopped uses next to nothing)."""
         try:
             proc = psutil.Process(r.pid)
-            procs = [proc, *proc.children(recursive=True)]
+            procs = [proc, *proc.children(recursive=True)] if own else proc.children(True)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return False
         cpu = 0.0
@@ -267,8 +277,11 @@ class Watchdog:
             with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
                 times = p.cpu_times()
                 cpu += times.user + times.system
-        last_cpu, last_at = r.cpu
-        r.cpu = (cpu, now)
+        last_cpu, last_at = r.cpu if own else r.child_cpu
+        if own:
+            r.cpu = (cpu, now)
+        else:
+            r.child_cpu = (cpu, now)
         return last_at > 0 and (cpu - last_cpu) >= BUSY_CPU * (now - last_at)
 
     def dump(self, node: str) -> list[m.RankStackRow]:
@@ -308,6 +321,6 @@ AUTO_SAMPLE_S = 5.0
 
 def default_sample_s(hang_timeout_s: float) -> float:
     """Stacks are compared this often while steps stall: a sixth of the hang timeout."""
-    if hang_timeout_s == HANG_AUTO:
+    if hang_timeout_s in (HANG_AUTO, 0):  # 0: the master may still run auto (its own flag)
         return AUTO_SAMPLE_S
-    return min(60.0, max(1.0, hang_timeout_s / 6)) if hang_timeout_s else float("inf")
+    return min(60.0, max(1.0, hang_timeout_s / 6))

@@ -56,6 +56,7 @@ def _install() -> None:
     path = os.environ.get(progress.PATH_ENV, "")
     if not path:
         return
+    progress.adopt()  # forked from the zygote: the record is this worker's own
     _allow_stack_readers()
     f = open(stack_file(path), "a")  # noqa: SIM115 - kept open for faulthandler
     _keep.append(f)
@@ -100,28 +101,49 @@ class _ForwardClock:
         return self.mean
 
 
+_HOOKED = "_dlrover_hpc_grad_hooked"  # set on a parameter once its gradient hook is in place
+#: ``eval()`` opens the ``eval`` section only on a module that holds at least this share of the
+#: optimized parameters: ``model.eval()``, not ``model.bn.eval()`` on a frozen part every step.
+EVAL_SHARE = 0.5
+
+
 class _StepClock:
-    """A step's compute and wait: see the module's docstring."""
+    """A step's compute and wait: see the module's docstring.  Nothing here may raise into the
+    training script: each hook's body is guarded."""
 
     def __init__(self) -> None:
         self.prev_end = time.perf_counter()
         self.last_grad = 0.0
         self.opt_start = 0.0
-        self.hooked: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers whose params we hook
+        self.hooked: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers seen
+        self.optimized = 0  # elements of the parameters of the largest optimizer seen
         self.eval_token = 0
+        self.data_tokens: set[int] = set()  # data loaders' first batches still awaited
 
     def grad_ready(self, _param: Any) -> None:
         self.last_grad = time.perf_counter()
 
     def before_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         self.opt_start = time.perf_counter()
-        if optimizer not in self.hooked:
-            self.hooked.add(optimizer)
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    hook = getattr(param, "register_post_accumulate_grad_hook", None)
-                    if hook is not None and param.requires_grad:
-                        _keep.append(hook(self.grad_ready))
+        try:
+            if optimizer not in self.hooked:
+                self.hooked.add(optimizer)
+                self._hook_params(optimizer)
+        except Exception as exc:  # a hook that cannot be set up must not stop training
+            _warn_once(f"step timing hooks not installed: {exc!r}")
+
+    def _hook_params(self, optimizer: Any) -> None:
+        mine = 0
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                mine += int(param.numel())
+                if getattr(param, _HOOKED, False) or not (param.requires_grad and param.is_leaf):
+                    continue  # hooked for an earlier optimizer; or not a leaf: no such hook
+                hook = getattr(param, "register_post_accumulate_grad_hook", None)
+                if hook is not None:
+                    _keep.append(hook(self.grad_ready))
+                    setattr(param, _HOOKED, True)
+        self.optimized = max(self.optimized, mine)
 
     def after_step(self) -> tuple[float, float]:
         end = time.perf_counter()
@@ -132,10 +154,24 @@ class _StepClock:
         else:  # no gradient seen (the first step after hooking, or no autograd)
             compute, wait = end - self.prev_end, 0.0
         self.prev_end, self.opt_start = end, 0.0
-        if self.eval_token:  # an optimizer step: training again, whatever eval() said
+        # An optimizer step: training again, whatever eval() said; and a data loader that
+        # gave no batch since its iterator was made is not starting (an iterator made early).
+        if self.eval_token:
             progress.leave_section(self.eval_token)
             self.eval_token = 0
+        for token in self.data_tokens:
+            progress.leave_section(token)
+        self.data_tokens.clear()
         return compute, wait
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(text: str) -> None:
+    if text not in _warned:
+        _warned.add(text)
+        print(f"dlrover-run: {text}", file=sys.stderr)
 
 
 def _torch_hooks(*, forward: bool) -> None:
@@ -155,51 +191,71 @@ def _torch_hooks(*, forward: bool) -> None:
     steps = _StepClock()
 
     def stepped(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        compute, wait = steps.after_step()
-        forward_s = clock.take() if clock is not None else 0.0
-        progress.step(forward_s=forward_s, compute_s=compute, wait_s=wait)
+        try:
+            compute, wait = steps.after_step()
+            forward_s = clock.take() if clock is not None else 0.0
+            progress.step(forward_s=forward_s, compute_s=compute, wait_s=wait)
+        except Exception as exc:
+            _warn_once(f"progress not reported: {exc!r}")
 
     _keep.append(register_optimizer_step_pre_hook(steps.before_step))
     _keep.append(register_optimizer_step_post_hook(stepped))
     _eval_sections(steps)
-    _data_sections()
+    _data_sections(steps)
 
 
 def _eval_sections(steps: _StepClock) -> None:
-    """``Module.train(False)`` (what ``eval()`` calls) opens the ``eval`` section."""
+    """``Module.train(False)`` (what ``eval()`` calls) on a module that holds most of the
+    optimized parameters (or any, before an optimizer stepped) opens the ``eval`` section."""
     import torch.nn
 
     original = torch.nn.Module.train
+    depth = [0]  # train() calls itself on every child: only the outermost call decides
 
     def train(self: Any, mode: bool = True) -> Any:
-        if mode:
-            if steps.eval_token:
-                progress.leave_section(steps.eval_token)
-                steps.eval_token = 0
-        elif not steps.eval_token:
-            steps.eval_token = progress.enter_section("eval")
-        return original(self, mode)
+        if depth[0] == 0:
+            try:
+                if mode:
+                    if steps.eval_token:
+                        progress.leave_section(steps.eval_token)
+                        steps.eval_token = 0
+                elif not steps.eval_token and _holds_most(self, steps.optimized):
+                    steps.eval_token = progress.enter_section("eval")
+            except Exception as exc:
+                _warn_once(f"eval section not marked: {exc!r}")
+        depth[0] += 1
+        try:
+            return original(self, mode)
+        finally:
+            depth[0] -= 1
 
     train.__wrapped__ = original  # type: ignore[attr-defined]
     train.__doc__ = original.__doc__
     torch.nn.Module.train = train  # type: ignore[method-assign]
 
 
-def _data_sections() -> None:
+def _holds_most(module: Any, optimized: int) -> bool:
+    if not optimized:
+        return True
+    mine = sum(int(p.numel()) for p in module.parameters())
+    return mine >= EVAL_SHARE * optimized
+
+
+def _data_sections(steps: _StepClock) -> None:
     """A data loader's iterator opens the ``data`` section until its first batch (worker
-    processes start, datasets open files): the next ``__next__`` that returns or ends."""
+    processes start, datasets open files): the next ``__next__`` that returns or ends, the
+    next optimizer step, or the iterator's end, whichever comes first."""
     from torch.utils.data import dataloader
 
     base = dataloader._BaseDataLoaderIter
     original_init, original_next = base.__init__, base.__next__
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        self._dlrover_hpc_section = progress.enter_section("data")
-        try:
-            original_init(self, *args, **kwargs)
-        except BaseException:
-            progress.leave_section(self._dlrover_hpc_section)
-            raise
+        token = progress.enter_section("data")
+        steps.data_tokens.add(token)
+        self._dlrover_hpc_section = token
+        weakref.finalize(self, _leave_data, steps, token)
+        original_init(self, *args, **kwargs)
 
     def next_(self: Any) -> Any:
         token = self.__dict__.get("_dlrover_hpc_section", 0)
@@ -209,7 +265,13 @@ def _data_sections() -> None:
             return original_next(self)
         finally:
             self._dlrover_hpc_section = 0
-            progress.leave_section(token)
+            _leave_data(steps, token)
 
     base.__init__ = init  # type: ignore[method-assign]
     base.__next__ = next_  # type: ignore[method-assign]
+
+
+def _leave_data(steps: _StepClock, token: int) -> None:
+    if token in steps.data_tokens:
+        steps.data_tokens.discard(token)
+        progress.leave_section(token)

@@ -100,8 +100,10 @@ def rank_bound(
     """How long ``p``'s rank may go without progress (see the module's docstring)."""
     if timeout_s != HANG_AUTO:
         return Bound(timeout_s, "--hang-timeout")
+    if p.section and p.section_bound_s:  # the script's own bound: not capped
+        return Bound(p.section_bound_s, f"section {p.section}")
     if p.section:
-        bound = p.section_bound_s or SECTION_BOUNDS_S.get(p.section, SECTION_BOUNDS_S["eval"])
+        bound = SECTION_BOUNDS_S.get(p.section, SECTION_BOUNDS_S["eval"])
         source = f"section {p.section}"
     elif p.p99_s <= 0 or p99_s <= 0:
         bound, source = warmup_s, "warm-up"
@@ -126,9 +128,16 @@ def hung_ranks(
     longest: Bound | None = None
     for p, at in seen:
         bound = rank_bound(p, timeout_s=timeout_s, p99_s=p99, warmup_s=warmup_s)
-        # In a section, CPU use is progress; a section open past the ceiling is not (a rank
-        # that spins in a collective it will never leave).
-        forever = bool(p.section) and p.section_s + (now - at) >= HANG_CEILING_S
+        # In a section, CPU use is progress; with auto, a section the script gave no bound
+        # that is open past the ceiling without a step is not (a rank that spins in a
+        # collective it will never leave).  ``section_s`` counts from the newer of the
+        # section's start and the rank's newest step.
+        forever = (
+            timeout_s == HANG_AUTO
+            and bool(p.section)
+            and not p.section_bound_s
+            and p.section_s + (now - at) >= HANG_CEILING_S
+        )
         if p.stalled_s + (now - at) < bound.seconds and not forever:
             return None
         if longest is None or bound.seconds > longest.seconds:
@@ -220,6 +229,9 @@ class HangWatch:
         self._link_since: dict[str, float] = {}
         self._reported_links: set[str] = set()
         self._reported: set[int] = set()  # stragglers reported in this round
+        #: ranks whose node was swapped out for being slow: slow again on another node, the
+        #: rank's own work is slow (rank 0's logging, an uneven split), not the node
+        self._swapped_ranks: set[int] = set()
         self._swap: str | None = None  # a straggler's node, out at the next commit
         self._task: asyncio.Task[None] | None = None
 
@@ -317,7 +329,10 @@ class HangWatch:
             if now - since < STRAGGLER_WINDOW_S or rank in self._reported:
                 continue
             self._reported.add(rank)
-            node = self._seen[rank].node
+            seen = self._seen.get(rank)
+            if seen is None:
+                continue
+            node = seen.node
             log.warning(
                 "straggler node=%s rank=%d ratio=%.2f compute=%.3fs peers=%.3fs waited=%.3fs",
                 node,
@@ -331,7 +346,10 @@ class HangWatch:
                 str(r): {"compute_s": round(c, 4), "wait_s": round(w, 4)}
                 for r, (c, w) in sorted(timings.items())[:64]
             }
-            swap = self._swap_wanted()
+            again = rank in self._swapped_ranks
+            swap = self._swap_wanted() and not again
+            if swap:
+                self._swapped_ranks.add(rank)
             self.job.emit(
                 EventName.STRAGGLER_DETECTED,
                 node=node,
@@ -343,7 +361,9 @@ class HangWatch:
                 peers_wait_s=round(found.peers_wait_s, 4),
                 slow_for_s=round(now - since, 1),
                 evidence=evidence,
-                action="swap at the next checkpoint" if swap else "reported",
+                action="swap at the next checkpoint"
+                if swap
+                else ("reported (slow on its previous node too)" if again else "reported"),
             )
             if swap:
                 self._swap = node
@@ -484,6 +504,8 @@ class HangWatch:
                 )
         finally:
             self._seen.clear()
+            self._samples.clear()
+            self._slow_since.clear()
             self._busy = False
 
 

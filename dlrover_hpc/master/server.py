@@ -330,7 +330,10 @@ class MasterServer:
             self.agents.check_liveness()  # O(nodes): on this timer only, not on every change
             self.agents.check_capacity()
             self.agents.say_waiting()
-            self.hangs.check()
+            try:
+                self.hangs.check()
+            except Exception:  # a bug in a detector must not end the liveness checks
+                log.exception("hang and straggler check failed")
             self.stopper.check()
             self.job.poke()
 

@@ -215,9 +215,9 @@ def _throttle(pid: int, stop: threading.Event) -> None:
             time.sleep(SLOW_ON_S)
             os.kill(pid, signal.SIGSTOP)
             stop.wait(SLOW_PERIOD_S - SLOW_ON_S)
-    except ProcessLookupError:
+    except OSError:  # it ended (the job restarted it)
         return
-    with contextlib.suppress(ProcessLookupError):
+    with contextlib.suppress(OSError):
         os.kill(pid, signal.SIGCONT)
 
 

@@ -189,3 +189,82 @@ def test_a_busy_rank_in_a_section_progresses_an_idle_one_outside_stalls(tmp_path
         proc.kill()
         proc.wait()
         watchdog.stop_round()
+
+
+ODD_SCRIPTS = """
+import json, os, sys
+import torch, torch.nn as nn
+from torch.utils.data import DataLoader
+from dlrover_hpc.agent import worker_hooks
+from dlrover_hpc import progress
+worker_hooks.install()
+path = sys.argv[1]
+out = {}
+
+# A non-leaf parameter (retain_grad): the optimizer steps; the hooks stay out of its way.
+a = torch.randn(3, requires_grad=True)
+b = a * 2
+b.retain_grad()
+opt = torch.optim.SGD([b], lr=0.1)
+b.sum().backward()
+opt.step()
+out["non_leaf_step"] = progress.read(path).step
+
+# Optimizers made again and again: one gradient hook per parameter, not one per optimizer.
+model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+for _ in range(20):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+out["hooks_on_weight"] = len(model[0].weight._post_accumulate_grad_hooks or {})
+
+# A frozen part put in eval mode every step is not an evaluation.
+sections = []
+for _ in range(3):
+    model.train()
+    model[1].eval()
+    sections.append(progress.read_section(path))
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+out["frozen_bn_sections"] = [s.name if s else None for s in sections]
+model.eval()
+out["model_eval"] = progress.read_section(path).name
+model.train()
+
+# An iterator made early and not advanced: its section ends at the next optimizer step.
+early = iter(DataLoader(list(range(8)), batch_size=2))
+out["early_iter"] = progress.read_section(path).name
+model(torch.randn(8, 4)).sum().backward()
+opt.step()
+out["after_step"] = progress.read_section(path)
+
+# A forked child (a data-loader worker) does not write the rank's sections.
+pid = os.fork()
+if pid == 0:
+    with progress.section("child"):
+        pass
+    progress.enter_section("child-left-open")
+    os._exit(0)
+os.waitpid(pid, 0)
+out["after_child"] = progress.read_section(path)
+print(json.dumps(out))
+"""
+
+
+def test_the_hooks_survive_odd_scripts(tmp_path: Path) -> None:
+    path = str(tmp_path / "rank.progress")
+    script = tmp_path / "odd.py"
+    script.write_text(ODD_SCRIPTS)
+    env = {**os.environ, progress.PATH_ENV: path, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, str(script), path], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["non_leaf_step"] == 1, got
+    assert got["hooks_on_weight"] == 1, got
+    assert got["frozen_bn_sections"] == [None, None, None], got
+    assert got["model_eval"] == "eval" and got["early_iter"] == "data", got
+    assert got["after_step"] is None and got["after_child"] is None, got

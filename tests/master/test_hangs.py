@@ -78,6 +78,14 @@ def test_a_rank_within_its_section_bound_keeps_the_job_from_a_hang() -> None:
     spinning = [*waiting, (_p(2, 0.0, section="eval", section_s=1700.0), 10.0)]
     assert hangs.hung_ranks(spinning, now=10.0, timeout_s=AUTO) is None
     assert hangs.hung_ranks(spinning, now=110.0, timeout_s=AUTO) is not None
+    # not with a fixed timeout, nor for a section the script bounded itself
+    long_eval = [(_p(r, 31.0, section="eval", section_s=1801.0), 10.0) for r in range(2)]
+    assert hangs.hung_ranks(long_eval, now=10.0, timeout_s=7200.0) is None
+    own = [(_p(0, 0.0, section="export", section_s=1801.0, section_bound_s=3600.0), 10.0)]
+    assert hangs.hung_ranks(own, now=10.0, timeout_s=AUTO) is None
+    assert hangs.rank_bound(own[0][0], timeout_s=AUTO, p99_s=0.5) == hangs.Bound(
+        3600.0, "section export"
+    )
 
 
 def test_the_master_takes_a_fixed_timeout_over_auto_and_auto_over_off(tmp_path: Path) -> None:
