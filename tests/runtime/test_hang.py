@@ -218,14 +218,13 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
 torch.set_num_threads(1)
-WHERE = {1: "backward", 2: "optimizer", 3: "data"}  # each rank is slow in one place, in turn
-START, LENGTH, EXTRA = float(sys.argv[1]), 40.0, 0.25
+WHERE = {1: "backward", 3: "optimizer", 5: "data"}  # each slow in one place, at once
+START, LENGTH, EXTRA = float(sys.argv[1]), 45.0, 0.25
 t0 = time.time()
 
 
 def slow(where):
-    begin = START + LENGTH * (rank - 1)
-    if WHERE.get(rank) == where and begin <= time.time() - t0 < begin + LENGTH:
+    if WHERE.get(rank) == where and START <= time.time() - t0 < START + LENGTH:
         time.sleep(EXTRA)
 
 
@@ -253,7 +252,7 @@ model = DDP(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1)))
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 opt.register_step_pre_hook(lambda *_: slow("optimizer"))
 for x in DataLoader(Samples(), batch_size=1):
-    if time.time() - t0 > START + LENGTH * 3 + 5:
+    if time.time() - t0 > START + LENGTH + 5:
         break
     time.sleep(0.05)  # the step's ordinary work
     loss = SlowBackward.apply(model(x)).pow(2).mean()
@@ -264,8 +263,9 @@ for x in DataLoader(Samples(), batch_size=1):
 
 
 def test_a_rank_slow_in_backward_in_its_optimizer_or_in_its_data_is_found(tmp_path: Path) -> None:
-    """Rank 1, then rank 2, then rank 3 takes 0.25 s more per step for 40 s: in backward, in the
-    optimizer, in its data; with default flags each is reported within 60 s, nobody else."""
+    """Of 6 ranks, rank 1 takes 0.25 s more per step in backward, rank 3 in its optimizer, rank 5
+    in its data, for 45 s; with default flags each is reported within 60 s, nobody else (each
+    one's peers' median is a healthy rank's)."""
     job_dir = tmp_path / "job"
     script = tmp_path / "slow_phases.py"
     script.write_text(SLOW_PHASES)
@@ -274,7 +274,7 @@ def test_a_rank_slow_in_backward_in_its_optimizer_or_in_its_data_is_found(tmp_pa
         [
             str(BIN / "dlrover-run"),
             "--standalone",
-            "--nproc-per-node=4",
+            "--nproc-per-node=6",
             f"--job-dir={job_dir}",
             "--rdzv-id=slowphases",
             str(script),
@@ -288,11 +288,10 @@ def test_a_rank_slow_in_backward_in_its_optimizer_or_in_its_data_is_found(tmp_pa
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     evs = events(job_dir)
     found = named(evs, "straggler_detected")
-    assert [e["rank"] for e in found] == [1, 2, 3], found
+    assert sorted(e["rank"] for e in found) == [1, 3, 5], found
     [started] = named(evs, "workers_started")
     for e in found:
-        slow_from = started["time"] + start + 40.0 * (e["rank"] - 1)
-        latency = e["time"] - slow_from
+        latency = e["time"] - (started["time"] + start)
         print(f"rank {e['rank']} straggler found {latency:.1f} s after it slowed")
         assert 0 < latency <= 60.0 + 10.0, (e, latency)  # + the workers' start-up
         assert e["ratio"] >= 2 and e["peers_wait_s"] >= 0.1, e

@@ -198,7 +198,7 @@ def test_run_args_without_nnodes_and_with_gpu_nproc() -> None:
     [
         (["--master=h:1", "t.py"], "launch runs the job master itself; drop --master"),
         (["--nnodes=x", "t.py"], "--nnodes=x: expected a node count N or a range MIN:MAX"),
-        (["--hang-timeout=-1", "t.py"], r"--hang-timeout=-1: must be 0 \(off\) or seconds"),
+        (["--hang-timeout=-1", "t.py"], r"--hang-timeout=-1: must be auto, 0 \(off\) or seconds"),
         (
             ["--straggler-factor=1", "t.py"],
             r"--straggler-factor=1: must be 0 \(off\) or more than 1",
