@@ -65,7 +65,7 @@ HEAL_S = {
 #: CPU (a cgroup quota would not slow the sleeps a toy step is made of).
 SLOW_PERIOD_S, SLOW_ON_S = 0.4, 0.1
 #: A slow link's rate: the gloo traffic of a toy DDP job fills it, so every packet queues.
-LINK_SLOW_RATE = "1mbit"
+LINK_SLOW_RATE = "256kbit"
 PROCESS_LEVEL = frozenset(
     {FaultKind.WORKER_KILL, FaultKind.AGENT_KILL, FaultKind.WORKER_HANG, FaultKind.SLOW_NODE}
 )
