@@ -158,16 +158,19 @@ class Chaos:
                 self.cluster.kill_node(node)
             case FaultKind.DRAIN:
                 _scontrol(f"nodename={node}", "state=drain", "reason=chaos: admin drain")
-            case FaultKind.WORKER_HANG:
-                for pid in training_pids(self.job_id, node)[:1]:
+            case FaultKind.WORKER_HANG | FaultKind.SLOW_NODE:
+                pids = training_pids(self.cluster, self.job_id, node)[:1]
+                if not pids:  # between two rounds: nothing to hit
+                    self.log.append({"time": time.time(), "kind": fault.kind, "node": None})
+                    return
+                if fault.kind is FaultKind.WORKER_HANG:
                     with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGSTOP)
-                        self._stopped.append(pid)
-            case FaultKind.SLOW_NODE:
-                for pid in training_pids(self.job_id, node)[:1]:
+                        os.kill(pids[0], signal.SIGSTOP)
+                        self._stopped.append(pids[0])
+                else:
                     stop = threading.Event()
                     self._throttles[node] = stop
-                    threading.Thread(target=_throttle, args=(pid, stop), daemon=True).start()
+                    threading.Thread(target=_throttle, args=(pids[0], stop), daemon=True).start()
             case FaultKind.LINK_SLOW:
                 self.cluster.slow_link(node, rate=LINK_SLOW_RATE)
         self.log.append({"time": time.time(), "kind": fault.kind.value, "node": node})
@@ -196,15 +199,21 @@ class Chaos:
             self._stopped.clear()
 
 
-def training_pids(job_id: str, node: str) -> list[int]:
+def training_pids(cluster: LocalSlurm, job_id: str, node: str) -> list[int]:
     """The node's training processes (forked by the zygote: not the pids torch's API knows),
-    from their progress records in /dev/shm, local rank 0 first."""
-    found = []
-    for path in sorted(glob.glob(f"/dev/shm/dlrover-hpc-*-{job_id}-{node}-a*-*.progress")):
-        record = progress.read(path)
-        if record is not None and record.pid > 0 and psutil.pid_exists(record.pid):
-            found.append(record.pid)
-    return found
+    from their progress records in the node's /dev/shm (its own mount namespace: seen through
+    one of its processes), local rank 0 first."""
+    for pid in cluster.netns_pids(node):
+        shm = f"/proc/{pid}/root/dev/shm"
+        paths = sorted(glob.glob(f"{shm}/dlrover-hpc-*-{job_id}-{node}-a*-*.progress"))
+        found = []
+        for path in paths:
+            record = progress.read(path)
+            if record is not None and record.pid > 0 and psutil.pid_exists(record.pid):
+                found.append(record.pid)
+        if found:
+            return found
+    return []
 
 
 def _throttle(pid: int, stop: threading.Event) -> None:
