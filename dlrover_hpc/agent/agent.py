@@ -348,6 +348,9 @@ class Agent:
                     await self._round_changed.wait()
 
     async def _stop_workers(self) -> None:
+        # A stopped (SIGSTOP) worker cannot act on SIGTERM: without a SIGCONT the node would
+        # wait out the whole --shutdown-timeout and miss the next round (a hang's restart).
+        self.watchdog.continue_stopped()
         self.watchdog.stop_round()
         if self.workers.running:
             await asyncio.to_thread(self.workers.stop)

@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -192,6 +193,13 @@ class Watchdog:
     def stopped(self) -> bool:
         """Whether a worker ended for the stop notice (not because training was over)."""
         return any(progress.stopped_at(r.path) is not None for r in self._ranks.values())
+
+    def continue_stopped(self) -> None:
+        """SIGCONT every worker of the round that is stopped, so that it can end."""
+        for r in self._ranks.values():
+            with contextlib.suppress(psutil.Error, OSError):
+                if psutil.Process(r.pid).status() == psutil.STATUS_STOPPED:
+                    os.kill(r.pid, signal.SIGCONT)
 
     def stop_round(self) -> None:
         for r in self._ranks.values():

@@ -193,10 +193,12 @@ class Chaos:
                 self._throttles.pop(node).set()
             elif kind is FaultKind.LINK_SLOW:
                 self.cluster.unslow_link(node)
-        if all_now:  # a hung worker the job never restarted would outlive it
-            for pid in self._stopped:
-                _kill(pid)
-            self._stopped.clear()
+
+    def cleanup(self) -> None:
+        """After the job: a hung worker the job never restarted would outlive it."""
+        for pid in self._stopped:
+            _kill(pid)
+        self._stopped.clear()
 
 
 def training_pids(cluster: LocalSlurm, job_id: str, node: str) -> list[int]:

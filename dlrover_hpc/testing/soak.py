@@ -112,11 +112,14 @@ def run_soak(
     finally:
         chaos.heal_due(all_now=True)
     deadline = time.time() + duration_s + 600
-    while _job_state(job) in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED"):
-        if time.time() > deadline:
-            subprocess.run(["scancel", job], timeout=10, check=False)
-            break
-        time.sleep(1)
+    try:
+        while _job_state(job) in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED"):
+            if time.time() > deadline:
+                subprocess.run(["scancel", job], timeout=10, check=False)
+                break
+            time.sleep(1)
+    finally:
+        chaos.cleanup()
     lines = [line.split() for line in timing.read_text().splitlines() if line.strip()]
     report = analyze(_events(job_dir), [(float(t), int(s)) for t, s in lines], chaos.log).as_dict()
     report.update(
