@@ -350,10 +350,13 @@ class Agent:
     async def _stop_workers(self) -> None:
         # A stopped (SIGSTOP) worker cannot act on SIGTERM: without a SIGCONT the node would
         # wait out the whole --shutdown-timeout and miss the next round (a hang's restart).
+        leftovers = await asyncio.to_thread(self.watchdog.descendants)
         self.watchdog.continue_stopped()
         self.watchdog.stop_round()
         if self.workers.running:
             await asyncio.to_thread(self.workers.stop)
+        if killed := await asyncio.to_thread(wd.reap, leftovers):
+            log.warning("killed %d leftover processes of the stopped workers", killed)
         # Persist the newest in-memory checkpoint before anything restarts.
         if self.saver is not None:
             step = await asyncio.to_thread(self.saver.persist_latest, 120.0)

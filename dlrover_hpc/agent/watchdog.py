@@ -194,6 +194,14 @@ class Watchdog:
         """Whether a worker ended for the stop notice (not because training was over)."""
         return any(progress.stopped_at(r.path) is not None for r in self._ranks.values())
 
+    def descendants(self) -> list[psutil.Process]:
+        """The round's workers' children (data-loader workers, subprocesses), now."""
+        procs: list[psutil.Process] = []
+        for r in self._ranks.values():
+            with contextlib.suppress(psutil.Error):
+                procs += psutil.Process(r.pid).children(recursive=True)
+        return procs
+
     def continue_stopped(self) -> None:
         """SIGCONT every worker of the round that is stopped, so that it can end."""
         for r in self._ranks.values():
@@ -332,3 +340,16 @@ def default_sample_s(hang_timeout_s: float) -> float:
     if hang_timeout_s in (HANG_AUTO, 0):  # 0: the master may still run auto (its own flag)
         return AUTO_SAMPLE_S
     return min(60.0, max(1.0, hang_timeout_s / 6))
+
+
+def reap(procs: list[psutil.Process]) -> int:
+    """SIGKILL those of ``procs`` still alive once their worker was stopped: a data-loader
+    worker blocked in a read never notices that its rank is gone, and would outlive the job.
+    Returns how many were killed."""
+    killed = 0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            if proc.is_running():  # the same process (psutil checks its start time)
+                proc.kill()
+                killed += 1
+    return killed

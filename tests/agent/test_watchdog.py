@@ -110,3 +110,29 @@ def test_without_py_spy_the_worker_answers_through_faulthandler(
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         _stop(proc, path)
+
+
+def test_a_stopped_workers_stuck_children_are_reaped(tmp_path: Path) -> None:
+    """A data-loader worker blocked in a read never notices its rank is gone: the agent kills
+    what the workers left behind once it stopped them."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(3600)'])\n"
+        "time.sleep(3600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)])
+    watchdog = wd.Watchdog(sample_s=1000.0)
+    try:
+        watchdog.start_round({0: (0, proc.pid, str(tmp_path / "none.progress"))})
+        children = wait_for(watchdog.descendants, timeout_s=30, what="the child")
+        proc.kill()  # the agent stops the worker; its child lives on, now an orphan
+        proc.wait()
+        assert all(c.is_running() for c in children)
+        assert wd.reap(children) == 1
+        wait_for(lambda: not any(c.is_running() for c in children), timeout_s=10, what="reaped")
+        assert wd.reap(children) == 0  # gone already: nothing to kill, nothing raised
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
