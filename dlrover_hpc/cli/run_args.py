@@ -258,8 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=env_default("straggler_factor", f"{DEFAULT_STRAGGLER_FACTOR:g}"),
         help="a rank whose compute per step (data, forward, backward, optimizer) takes this "
         "many times its peers' median, while they wait for it, for 20 s is reported "
-        "(straggler_detected) and its node swapped for a waiting spare at the next checkpoint "
-        "(with --exclude-straggler: even without a spare); 0: off "
+        "(straggler_detected) and its node swapped out at the next checkpoint when a spare "
+        "waits or the others are enough (with --exclude-straggler: always); 0: off "
         f"(default {DEFAULT_STRAGGLER_FACTOR:g})",
     )
     d.add_argument(

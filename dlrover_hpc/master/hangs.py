@@ -370,9 +370,10 @@ class HangWatch:
         self._check_links(now)
 
     def _swap_wanted(self) -> bool:
-        """Swap a straggler's node at the next checkpoint: a spare waits to take its place
-        (or the user asked for --exclude-straggler), and no other swap is pending."""
-        return self._swap is None and (self.exclude_straggler or self.job.spares() > 0)
+        """Swap a straggler's node at the next checkpoint: a spare waits to take its place, or
+        the others are enough and Slurm may give a replacement (or the user asked for
+        --exclude-straggler); and no other swap is pending."""
+        return self._swap is None and (self.exclude_straggler or self.job.can_swap_out())
 
     def _check_links(self, now: float) -> None:
         rtts = {}

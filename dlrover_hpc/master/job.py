@@ -151,6 +151,14 @@ class Job:
         """Agents waiting in rendezvous now, outside the running round (hot spares)."""
         return len(self._waiting()) if self.phase is Phase.RUNNING else 0
 
+    def can_swap_out(self) -> bool:
+        """A node of the running round can go now: a hot spare waits to take its place, or
+        the others are still enough and Slurm may give a replacement."""
+        if self.spares() > 0:
+            return True
+        enough = len(self.participants()) - 1 >= self.config.nnodes.min
+        return self.phase is Phase.RUNNING and enough and self.can_replace
+
     def _waiting(self) -> list[NodeRecord]:
         """Agents in rendezvous with a WaitRound outstanding."""
         return [
