@@ -60,6 +60,9 @@ HANGS_PER_NODE_FAULT = 2  # the second hang blamed on a node excludes it
 
 #: ``auto``: the learned bound is ``P99_FACTOR x p99 + P99_MARGIN_S``, at least ``FLOOR_S``.
 FLOOR_S, P99_FACTOR, P99_MARGIN_S = 30.0, 2.0, 10.0
+#: A learned bound is a promise on when ``hang_detected`` is out: the check fires this much
+#: earlier, for the heartbeat that reports the stall, the check's tick and reading the stacks.
+DETECT_SLACK_S = 3.0
 #: ``auto``: a rank that has no step-time p99 yet (the first steps of its process).  Once a
 #: round of the job got through its warm-up, later rounds get 3 x the longest warm-up seen
 #: + 30 s, at least :data:`WARMUP_MIN_S` (a restart after a hang must not wait 10 minutes).
@@ -138,7 +141,8 @@ def hung_ranks(
             and not p.section_bound_s
             and p.section_s + (now - at) >= HANG_CEILING_S
         )
-        if p.stalled_s + (now - at) < bound.seconds and not forever:
+        slack = DETECT_SLACK_S if bound.source == "step statistics" else 0.0
+        if p.stalled_s + (now - at) < bound.seconds - slack and not forever:
             return None
         if longest is None or bound.seconds > longest.seconds:
             longest = bound

@@ -67,6 +67,10 @@ def test_a_rank_within_its_section_bound_keeps_the_job_from_a_hang() -> None:
     assert hangs.hung_ranks(waiting, now=10.0, timeout_s=AUTO) == hangs.Bound(
         30.0, "step statistics"
     )
+    # a learned bound is when hang_detected is out: the check fires DETECT_SLACK_S before
+    early = [(_p(0, 27.5), 10.0), (_p(1, 27.5), 10.0)]
+    assert hangs.hung_ranks(early, now=10.0, timeout_s=AUTO) == hangs.Bound(30.0, "step statistics")
+    assert hangs.hung_ranks(early, now=9.0, timeout_s=AUTO) is None
     # rank 2 evaluates alone while the others wait in a barrier: no hang for 600 s
     evaluating = [*waiting, (_p(2, 31.0, section="eval"), 10.0)]
     assert hangs.hung_ranks(evaluating, now=10.0, timeout_s=AUTO) is None

@@ -101,7 +101,7 @@ def launch(
         **os.environ,
         "DLROVER_HPC_KNOWN_HOSTS": str(known_hosts or cluster.known_hosts),
         "DLROVER_HPC_SSH_CONFIG": str(cluster.ssh_config),
-        "DLROVER_HPC_CONNECT_TIMEOUT": "3",
+        "DLROVER_HPC_CONNECT_TIMEOUT": "10",  # 3 s: sshd forks too slowly under a loaded suite
         "DLROVER_HPC_MASTER_OPTS": master_opts,
         **(env or {}),
     }
