@@ -388,6 +388,11 @@ def _committed_on_storage(cdir: CheckpointDir, step: int, token: int | None) -> 
     newest = cdir.newest_step()
     if newest is None or newest < step:
         return False
+    # The committer writes the record, then dlrover_latest.txt: until the tracker says so too,
+    # a reader of the tracker (DLRover's loaders, the user) would not see the step yet.
+    tracked = cdir.tracker_step()
+    if tracked is None or tracked < step:
+        return False
     if token is None:
         return True
     for candidate in (step, newest):
