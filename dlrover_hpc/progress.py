@@ -292,15 +292,10 @@ def mark_stopped(step: int) -> None:
 
 def stopped_at(path: str | os.PathLike[str]) -> int | None:
     """The step the rank whose record is at ``path`` stopped at for the notice, or None."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(_STOPPED_AT)
-            data = f.read(_STOPPED.size)
-    except OSError:
+    fields = _read_at(path, _STOPPED, _STOPPED_AT)
+    if fields is None:
         return None
-    if len(data) < _STOPPED.size:
-        return None
-    (value,) = _STOPPED.unpack(data)
+    (value,) = fields
     return value - 1 if value > 0 else None
 
 
@@ -315,27 +310,29 @@ def request_stop(path: str | os.PathLike[str], notice: StopNotice) -> None:
 
 def read(path: str | os.PathLike[str]) -> Progress | None:
     """The record at ``path``; None while the rank has reported nothing."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(_RECORD.size)
-    except OSError:
+    fields = _read_at(path, _RECORD, 0)
+    if fields is None:
         return None
-    if len(data) < _RECORD.size:
-        return None
-    record = Progress(*_RECORD.unpack(data))
+    record = Progress(*fields)
     return record if record.count > 0 else None  # only a stop request written yet
 
 
 def read_section(path: str | os.PathLike[str]) -> Section | None:
     """The innermost section the rank whose record is at ``path`` is in, or None."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(_SECTION_AT)
-            data = f.read(_SECTION.size)
-    except OSError:
+    fields = _read_at(path, _SECTION, _SECTION_AT)
+    if fields is None:
         return None
-    if len(data) < _SECTION.size:
-        return None
-    raw, since, bound = _SECTION.unpack(data)
+    raw, since, bound = fields
     name = raw.rstrip(b"\0").decode(errors="replace")
     return Section(name, since, bound) if name else None
+
+
+def _read_at(path: str | os.PathLike[str], fmt: struct.Struct, offset: int) -> tuple | None:
+    """``fmt``'s fields at ``offset`` of the record at ``path``; None when it is missing or
+    not written that far yet."""
+    try:
+        with open(path, "rb") as f:
+            data = os.pread(f.fileno(), fmt.size, offset)
+    except OSError:
+        return None
+    return fmt.unpack(data) if len(data) == fmt.size else None
