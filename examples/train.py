@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 
 import torch
@@ -30,10 +31,11 @@ def main() -> None:
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument(
         "--fail-mode",
-        choices=["kill", "xid"],
+        choices=["kill", "xid", "hang"],
         default="kill",
         help="kill: SIGKILL self; xid: log a GPU Xid 79 line and exit 1 (a fake "
-        "hardware fault, to demonstrate draining)",
+        "hardware fault, to demonstrate draining); hang: block for good without stopping (a "
+        "deadlock: the others wait for it in their next all-reduce)",
     )
     p.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step")
     p.add_argument("--result", default=None, help="rank 0 writes a JSON summary here")
@@ -91,6 +93,8 @@ def main() -> None:
                     flush=True,
                 )
                 sys.exit(1)
+            if args.fail_mode == "hang":
+                threading.Event().wait()
             os.kill(os.getpid(), signal.SIGKILL)
         if ckpt_path and rank == 0 and done % args.ckpt_every == 0:
             tmp = ckpt_path + ".tmp"

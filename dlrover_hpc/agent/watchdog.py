@@ -162,6 +162,8 @@ class _Rank:
     signature: tuple[st.Frame, ...] = ()
     cpu: tuple[float, float] = (0.0, 0.0)  # CPU seconds used, and when that was read
     child_cpu: tuple[float, float] = (0.0, 0.0)  # the same, of its children alone
+    stopped_since: float = 0.0  # when it was first seen stopped, throughout since (0: not)
+    stopped_switches: int = -1  # its main thread's context switches then
 
     def seen(self, record: progress.Progress | None) -> None:
         if record is not None and record.pid > 0:
@@ -257,6 +259,7 @@ class Watchdog:
                     # torch.save, an evaluation loop: the section's bound, from now on
                     r.stack_phase, r.changed_at = progress.Section(phase, time.time()), now
                 section = section or r.stack_phase
+            stopped_s = self._stopped_for(r, now)
             wall = time.time()
             out.append(
                 m.RankProgress(
@@ -274,9 +277,30 @@ class Watchdog:
                     if section
                     else 0.0,
                     section_bound_s=section.bound_s if section else 0.0,
+                    stopped_s=round(stopped_s, 3),
                 )
             )
         return out
+
+    @staticmethod
+    def _stopped_for(r: _Rank, now: float) -> float:
+        """How long the worker has been stopped by a signal (SIGSTOP, SIGTSTP; not a debugger's
+        trace stop), without a break: its state is ``T`` now and was at the first sight, and
+        its main thread has not run since (its context switches did not change; a process
+        stopped and continued in turn, as behind a throttle, runs in between)."""
+        try:
+            proc = psutil.Process(r.pid)
+            with proc.oneshot():
+                stopped = proc.status() == psutil.STATUS_STOPPED
+                switches = sum(proc.num_ctx_switches()) if stopped else -1
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            stopped, switches = False, -1
+        if not stopped:
+            r.stopped_since, r.stopped_switches = 0.0, -1
+            return 0.0
+        if not r.stopped_since or switches != r.stopped_switches:
+            r.stopped_since, r.stopped_switches = now, switches
+        return now - r.stopped_since
 
     @staticmethod
     def _busy(r: _Rank, now: float, *, own: bool = True) -> bool:

@@ -6,10 +6,12 @@ a data loader's start, or one a script marks) and its newest step's compute and 
 in every heartbeat.  Each rank is held to a *bound* (:func:`rank_bound`):
 
 - ``--hang-timeout SECONDS``: that, for everything (the behaviour before ``auto``);
-- ``auto`` (the default): in a section, the section's own bound (:data:`SECTION_BOUNDS_S`, or
-  the one the script gave); before the rank has a step-time p99 (the first steps after a start:
-  compilation, warm-up, restore), the warm-up bound; else ``2 x p99 + 10 s`` of the job's
-  slowest rank, at least :data:`FLOOR_S`; never more than :data:`HANG_CEILING_S`.
+- ``auto`` (the default): a rank whose process has been stopped by a signal for
+  :data:`STOPPED_BOUND_S` is a hang, whatever the others do; in a section, the section's own
+  bound (:data:`SECTION_BOUNDS_S`, or the one the script gave); before the rank has a
+  step-time p99 (the first steps after a start: compilation, warm-up, restore), the warm-up
+  bound; else ``2 x p99 + 10 s`` of the job's slowest rank, at least :data:`FLOOR_S`; never
+  more than :data:`HANG_CEILING_S`.
 
 When every rank of the running round is past its bound, the master asks every agent for its
 workers' stacks, writes them to ``<job dir>/hangs/<UTC time>/`` (``rank-N.txt`` and
@@ -67,6 +69,11 @@ DETECT_SLACK_S = 3.0
 #: round of the job got through its warm-up, later rounds get 3 x the longest warm-up seen
 #: + 30 s, at least :data:`WARMUP_MIN_S` (a restart after a hang must not wait 10 minutes).
 WARMUP_BOUND_S, WARMUP_MIN_S = 600.0, 120.0
+#: ``auto``: a rank whose process has been stopped by a signal (SIGSTOP, SIGTSTP) for this long,
+#: throughout, is a hang at once, whatever the other ranks do: it cannot progress until someone
+#: continues it, and its peers will wait for it in their next collective.  (A job that Slurm
+#: suspends stops its agents too, so they report no such thing.)
+STOPPED_BOUND_S = 10.0
 #: ``auto``: each section's own bound, unless the script gave one; other names get ``eval``'s.
 #: A rank in a section also progresses while it (or a data-loader worker) uses CPU.
 SECTION_BOUNDS_S = {"checkpoint": 600.0, "eval": 600.0, "data": 300.0, "warmup": WARMUP_BOUND_S}
@@ -82,7 +89,8 @@ class _Seen:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Bound:
     seconds: float
-    source: str  # "step statistics", "section eval", "warm-up", "--hang-timeout", "ceiling"
+    #: "step statistics", "section eval", "warm-up", "stopped process", "--hang-timeout", "ceiling"
+    source: str
 
 
 def job_p99(progress: Sequence[m.RankProgress]) -> float:
@@ -123,10 +131,14 @@ def hung_ranks(
     warmup_s: float = WARMUP_BOUND_S,
 ) -> Bound | None:
     """Every rank went without progress for its bound (each report aged by the time since it
-    arrived): the longest of those bounds, the one that decided; None while any rank is within
-    its bound."""
+    arrived): the longest of those bounds, the one that decided; or, with ``auto``, one rank
+    stopped by a signal for :data:`STOPPED_BOUND_S`.  None while neither is so."""
     if not seen or not timeout_s:
         return None
+    if timeout_s == HANG_AUTO and any(
+        p.stopped_s > 0 and p.stopped_s + (now - at) >= STOPPED_BOUND_S for p, at in seen
+    ):
+        return Bound(STOPPED_BOUND_S, "stopped process")
     p99 = job_p99([p for p, _ in seen])
     longest: Bound | None = None
     for p, at in seen:

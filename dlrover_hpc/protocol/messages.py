@@ -134,6 +134,7 @@ class RankProgress:
     section: str = ""  # the long phase it is in (progress.section), "" when none
     section_s: float = 0.0  # for how long
     section_bound_s: float = 0.0  # the section's own bound (0: the master's default)
+    stopped_s: float = 0.0  # for how long its process has been stopped by a signal, throughout
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

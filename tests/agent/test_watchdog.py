@@ -88,6 +88,41 @@ def test_progress_then_a_stopped_worker_stalls_and_its_stack_shows_where(tmp_pat
     assert not os.path.exists(path)
 
 
+def test_a_worker_stopped_throughout_is_told_from_one_stopped_and_continued_in_turn(
+    tmp_path: Path,
+) -> None:
+    proc, path = _start(tmp_path, steps=3)
+    dog = wd.Watchdog(sample_s=60.0)  # no stacks: only the process state is read here
+    try:
+        dog.start_round({0: (0, proc.pid, path)})
+        wait_for(lambda: getattr(progress.read(path), "step", 0) == 3, timeout_s=20, what="3")
+        [p] = dog.poll()
+        assert p.stopped_s == 0.0
+        # throttled: stopped at every sight, but it runs in between
+        for _ in range(6):
+            os.kill(proc.pid, signal.SIGSTOP)
+            time.sleep(0.15)
+            [p] = dog.poll()
+            assert p.stopped_s < 0.1, p
+            os.kill(proc.pid, signal.SIGCONT)
+            time.sleep(0.05)
+        # stopped for good: the time since it was first seen so
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        dog.poll()
+        time.sleep(1.0)
+        [p] = dog.poll()
+        assert p.stopped_s >= 0.9
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.1)
+        [p] = dog.poll()
+        assert p.stopped_s == 0.0
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        _stop(proc, path)
+        dog.stop_round()
+
+
 def test_without_py_spy_the_worker_answers_through_faulthandler(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

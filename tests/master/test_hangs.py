@@ -92,6 +92,24 @@ def test_a_rank_within_its_section_bound_keeps_the_job_from_a_hang() -> None:
     )
 
 
+def test_a_rank_stopped_by_a_signal_is_a_hang_at_once_with_auto_alone() -> None:
+    stopped = _p(1, 4.0, stopped_s=4.0)
+    # the others still step (or only just began to wait for it): 10 s stopped is enough
+    job = [(_p(0, 0.2), 10.0), (stopped, 10.0)]
+    assert hangs.hung_ranks(job, now=15.0, timeout_s=AUTO) is None
+    assert hangs.hung_ranks(job, now=16.0, timeout_s=AUTO) == hangs.Bound(
+        hangs.STOPPED_BOUND_S, "stopped process"
+    )
+    # in its evaluation, its warm-up or its checkpoint alike
+    in_eval = [(_p(0, 0.2), 10.0), (_p(1, 1.0, section="eval", stopped_s=11.0), 10.0)]
+    assert hangs.hung_ranks(in_eval, now=10.0, timeout_s=AUTO) is not None
+    # a fixed --hang-timeout is the user's bound for everything; not stopped: no such rule
+    assert hangs.hung_ranks(job, now=16.0, timeout_s=900.0) is None
+    assert (
+        hangs.hung_ranks([(_p(0, 0.2), 10.0), (_p(1, 9.0), 10.0)], now=16.0, timeout_s=AUTO) is None
+    )
+
+
 def test_the_master_takes_a_fixed_timeout_over_auto_and_auto_over_off(tmp_path: Path) -> None:
     h = Harness(tmp_path, nnodes="1:3")
     watch = HangWatch(h.job, lambda a, msg: None, tmp_path)

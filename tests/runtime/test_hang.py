@@ -1,6 +1,7 @@
 """A hung rank (issues 13 and 25): two workers under dlrover-run --standalone with the default
-flags, one SIGSTOPped; the job detects the hang within the bound it learned from the step times,
-dumps every stack with the stopped rank singled out, restarts and finishes.  A job whose long
+flags, one SIGSTOPped (found as soon as its agent saw it stopped for 10 s), or one of three
+deadlocked (found within the bound the job learned from its step times); the job dumps every
+stack with the hung rank singled out, restarts and finishes.  A job whose long
 phases are not hangs (a slow first step, evaluations, a data loader's slow start, a marked
 section, a checkpoint persisted on exit) runs to the end without a false alarm."""
 
@@ -37,29 +38,46 @@ def _wait_steps(record: str, steps: int) -> progress.Progress:
     )
 
 
-def test_a_stopped_rank_is_detected_dumped_and_the_job_restarts(tmp_path: Path) -> None:
+def _hang_job(tmp_path: Path, rdzv: str, nproc: int, *extra: str) -> subprocess.Popen:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    job_dir = tmp_path / "job"
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [
             str(BIN / "dlrover-run"),
             "--standalone",
-            "--nproc-per-node=2",
-            f"--job-dir={job_dir}",
-            "--rdzv-id=hangtest",
+            f"--nproc-per-node={nproc}",
+            f"--job-dir={tmp_path / 'job'}",
+            f"--rdzv-id={rdzv}",
             str(TRAIN),
             "--steps=300",
             "--step-time=0.05",
             f"--ckpt-dir={ckpt}",
             "--ckpt-every=10",
             f"--result={tmp_path / 'result.json'}",
+            *extra,
         ],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def _restarted_once(tmp_path: Path, proc: subprocess.Popen, out: str) -> dict:
+    """The job ended well after one restart: its hang_detected."""
+    assert proc.returncode == 0, out[-4000:]
+    evs = events(tmp_path / "job")
+    [hang] = named(evs, "hang_detected")
+    assert 0 < hang["step_p99_s"] < 5.0, hang
+    assert (Path(hang["directory"]) / "rank-1.txt").read_text().startswith("rank 1 ")
+    assert [e["restart_count"] for e in named(evs, "workers_restarted")] == [1]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["final_step"] == 300 and result["restart_count"] == 1
+    return hang
+
+
+def test_a_stopped_rank_is_detected_dumped_and_the_job_restarts(tmp_path: Path) -> None:
+    proc = _hang_job(tmp_path, "hangtest", 2)
     record = _record(job_id="hangtest", proc=proc, local_rank=1)
     stopped_pid = 0
     try:
@@ -74,14 +92,11 @@ def test_a_stopped_rank_is_detected_dumped_and_the_job_restarts(tmp_path: Path) 
         if stopped_pid:  # a stopped process left behind would be a leak (the restart kills it)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stopped_pid, signal.SIGCONT)
-    assert proc.returncode == 0, out[-4000:]
-    evs = events(job_dir)
-    [hang] = named(evs, "hang_detected")
+    hang = _restarted_once(tmp_path, proc, out)
     latency = hang["time"] - stopped_at
     print(f"hang detected {latency:.1f} s after SIGSTOP (bound {hang['bound_s']} s)")
-    # 0.05 s steps: 2 x p99 + 10 s is under the 30 s floor
-    assert hang["bound_s"] == 30.0 and hang["bound_from"] == "step statistics", hang
-    assert 0 < hang["step_p99_s"] < 5.0, hang
+    # the agent sees the process stopped throughout: no need to wait for the learned bound
+    assert hang["bound_s"] == 10.0 and hang["bound_from"] == "stopped process", hang
     assert latency <= hang["bound_s"] + 15.0, hang
     assert hang["suspected_rank"] == 1 and hang["why"] == "its process is stopped", hang
     merged = (Path(hang["directory"]) / "merged.txt").read_text()
@@ -89,10 +104,32 @@ def test_a_stopped_rank_is_detected_dumped_and_the_job_restarts(tmp_path: Path) 
     # Both ranks' stacks are there: apart, or as one group when rank 1 was stopped in the same
     # Python frames where rank 0 waits (DDP's all-reduce runs inside Tensor.backward).
     assert ("rank 0 on" in merged and "rank 1 on" in merged) or "ranks 0-1 on" in merged, merged
-    assert (Path(hang["directory"]) / "rank-1.txt").read_text().startswith("rank 1 ")
-    assert [e["restart_count"] for e in named(evs, "workers_restarted")] == [1]
-    result = json.loads((tmp_path / "result.json").read_text())
-    assert result["final_step"] == 300 and result["restart_count"] == 1
+
+
+def test_a_deadlocked_rank_is_found_within_the_bound_learned_from_the_steps(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 blocks for good after step 30 without stopping (a deadlock); ranks 0 and 2 wait
+    for it in their all-reduce.  Nothing stands out but its stack and the time."""
+    proc = _hang_job(
+        tmp_path, "deadlock", 3, "--fail-at-step=30", "--fail-rank=1", "--fail-mode=hang"
+    )
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    hang = _restarted_once(tmp_path, proc, out)
+    hung_at = float((tmp_path / "ckpt" / ".failed-once-1").read_text())
+    latency = hang["time"] - hung_at
+    print(f"deadlock detected {latency:.1f} s after it began (bound {hang['bound_s']} s)")
+    # 0.05 s steps: 2 x p99 + 10 s is under the 30 s floor
+    assert hang["bound_s"] == 30.0 and hang["bound_from"] == "step statistics", hang
+    assert latency <= hang["bound_s"] + 15.0, hang
+    assert hang["suspected_rank"] == 1, hang
+    assert hang["why"].startswith("the only rank in "), hang
+    assert "main" in hang["why"] and "backward" in hang["why"], hang  # it, and where they wait
 
 
 LONG_PHASES = TRAIN.parent / "train_long_phases.py"
@@ -209,7 +246,7 @@ def test_a_cpu_throttled_rank_is_reported_as_a_straggler(tmp_path: Path) -> None
 
 
 SLOW_PHASES = """
-import sys, time
+import os, sys, time
 import torch, torch.distributed as dist, torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
@@ -220,7 +257,9 @@ torch.manual_seed(0)
 torch.set_num_threads(1)
 WHERE = {1: "backward", 3: "optimizer", 5: "data"}  # each slow in one place, at once
 START, LENGTH, EXTRA = float(sys.argv[1]), 45.0, 0.25
-t0 = time.time()
+began = torch.tensor([time.time()], dtype=torch.float64)
+dist.broadcast(began, 0)  # one clock for all: ranks start seconds apart on a loaded machine
+t0 = began.item()
 
 
 def slow(where):
@@ -251,8 +290,19 @@ class Samples(Dataset):
 model = DDP(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1)))
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 opt.register_step_pre_hook(lambda *_: slow("optimizer"))
-for x in DataLoader(Samples(), batch_size=1):
-    if time.time() - t0 > START + LENGTH + 5:
+# Every rank must leave after the same step (one that leaves early closes its peers'
+# all-reduce): rank 0 picks a step ahead and tells the others through a file, not a
+# collective, which would make the fast ranks wait for the slow ones outside the step's wait.
+stop_at = None
+for step, x in enumerate(DataLoader(Samples(), batch_size=1)):
+    if stop_at is None and os.path.exists("stop-at"):
+        stop_at = int(open("stop-at").read())
+    if rank == 0 and stop_at is None and time.time() - t0 > START + LENGTH + 5:
+        stop_at = step + 20
+        with open("stop-at.tmp", "w") as f:
+            f.write(str(stop_at))
+        os.replace("stop-at.tmp", "stop-at")
+    if stop_at is not None and step >= stop_at:
         break
     time.sleep(0.05)  # the step's ordinary work
     loss = SlowBackward.apply(model(x)).pow(2).mean()
