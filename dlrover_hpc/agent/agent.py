@@ -227,7 +227,7 @@ class Agent:
                     )
                 return step.exit_code
             if step.next is Next.PROBE:
-                await run_probe(self.link, self.agent_id, assignment)
+                await run_probe(self.link, self.agent_id, assignment, self.zygote)
                 continue
             outcome = await self._run_round(assignment)
             if outcome is Outcome.STOPPED:

@@ -1,6 +1,7 @@
 """Run the network-check probe in a child process that is killed at a hard deadline.
 
-The child is `python -m dlrover_hpc.netcheck.probe --json ...`; torch's own timeouts overshoot
+The child is `python -m dlrover_hpc.netcheck.probe --json ...` (or the same module run by a
+pre-warmed interpreter that has torch imported already: ``runner``); torch's own timeouts overshoot
 and an NCCL collective can block for good, so only a separate process guarantees an answer in
 time. The child leads its own session, and the kill takes everything it started.
 """
@@ -13,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from dlrover_hpc.netcheck.model import NetcheckError
@@ -45,11 +46,16 @@ def run_probe_subprocess(
     use_cuda: bool | None = None,
     python: str = sys.executable,
     env: Mapping[str, str] | None = None,
+    runner: Sequence[str] = (),
 ) -> ProbeResult:
     """Run the probe in a child process killed at `timeout_s`; always returns a result in time.
 
     The child gets a slightly shorter budget so that it normally reports its own reason (for
-    example the partner that never joined) before the hard kill.
+    example the partner that never joined) before the hard kill.  ``runner``: the command that
+    runs a module with its arguments in place of ``python -m`` (the agent's zygote client: a
+    fork of an interpreter that imported torch, not a second ``import torch`` on the node); the
+    process it starts must mirror the module's output and exit code, and take the module's
+    process along when it is killed.
     """
     validate_args(
         group_rank=group_rank,
@@ -61,8 +67,7 @@ def run_probe_subprocess(
     deadline = Deadline(timeout_s)
     child_timeout_s = timeout_s - min(2.0, 0.25 * timeout_s)
     argv = [
-        python,
-        "-m",
+        *(runner or (python, "-m")),
         "dlrover_hpc.netcheck.probe",
         "--json",
         f"--group-rank={group_rank}",

@@ -7,7 +7,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -15,7 +17,10 @@ import pytest
 from runtime_helpers import BIN
 
 from dlrover_hpc.agent.zygote import Zygote
+from dlrover_hpc.netcheck.launch import run_probe_subprocess
+from dlrover_hpc.netcheck.result import ProbeResult
 from dlrover_hpc.testing import wait_for
+from dlrover_hpc.testing.prometheus import free_port
 
 SCRIPT = """
 import json, os, sys, time
@@ -151,3 +156,43 @@ def test_restarted_workers_come_from_the_zygote(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [json.loads((tmp_path / f"r{r}.json").read_text()) for r in (0, 1)] == [True, True]
+
+
+def test_network_probes_run_as_forks_of_the_zygote(zygote: Zygote) -> None:
+    """The agent's probes come from the zygote (no `import torch` each): a pair passes, and a
+    probe whose partner never comes is killed at its deadline with nothing left behind."""
+    runner = (sys.executable, *zygote.client_args([], module=True))
+    zygote_pid = zygote._proc.pid  # type: ignore[union-attr]
+    forks: set[int] = set()
+    port = free_port()
+
+    def probe(rank: int, timeout_s: float, port: int) -> ProbeResult:
+        return run_probe_subprocess(
+            group_rank=rank,
+            group_size=2,
+            store_host="127.0.0.1",
+            store_port=port,
+            timeout_s=timeout_s,
+            is_store_host=rank == 0,
+            use_cuda=False,
+            payload_bytes=4096,
+            matmul_size=32,
+            runner=runner,
+        )
+
+    with ThreadPoolExecutor(3) as pool:
+        pair = [pool.submit(probe, r, 60.0, port) for r in (0, 1)]
+        while not all(f.done() for f in pair):  # the probes are the zygote's children
+            forks |= {c.pid for c in psutil.Process(zygote_pid).children()}
+            time.sleep(0.02)
+        results = [f.result() for f in pair]
+    assert all(r.ok and r.check_s is not None for r in results), results
+    assert len(forks) == 2, forks
+    # a lone probe: its own error if it has time for one, else the kill; either way in time
+    lone = probe(1, 3.0, free_port())
+    assert not lone.ok, lone
+    wait_for(
+        lambda: not psutil.Process(zygote_pid).children(),
+        timeout_s=10,
+        what="the lone probe's fork to be gone",
+    )
