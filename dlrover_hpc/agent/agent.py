@@ -40,6 +40,28 @@ log = logging.getLogger(__name__)
 ZYGOTE_WAIT_S = 30.0
 
 
+def new_zygote() -> Zygote:
+    return Zygote(f"/tmp/dlrover-hpc-{getpass.getuser()}-agent{os.getpid()}-zygote.sock")
+
+
+def zygote_env(config: RunConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    if "OMP_NUM_THREADS" not in env and config.nproc_per_node > 1:
+        env["OMP_NUM_THREADS"] = "1"  # as the workers get it (read at import)
+    return env
+
+
+def start_zygote(config: RunConfig) -> Zygote | None:
+    """The node's pre-warmed interpreter, started first thing: forked from this process while
+    it has one thread (``dlrover-run`` imported torch already, for torch elastic's process
+    API), before a master thread or the event loop's workers start."""
+    if config.no_python:
+        return None
+    zygote = new_zygote()
+    zygote.start(zygote_env(config), fork=True)
+    return zygote
+
+
 class Agent:
     def __init__(
         self,
@@ -49,6 +71,7 @@ class Agent:
         token: str,
         job_dir: Path,
         extra_env: dict[str, str] | None = None,
+        zygote: Zygote | None = None,
     ) -> None:
         self.config = config
         self.master = master
@@ -62,11 +85,7 @@ class Agent:
         # Per-rank logs default to the job directory; stderr is teed there (and still shown)
         # so a failure's log tail can be diagnosed.
         log_dir = config.log_dir or str(job_dir / "logs" / self.node)
-        self.zygote = (
-            None
-            if config.no_python
-            else Zygote(f"/tmp/dlrover-hpc-{getpass.getuser()}-agent{os.getpid()}-zygote.sock")
-        )
+        self.zygote = zygote or (None if config.no_python else new_zygote())
         self.workers = WorkerGroup(config, log_dir=log_dir, zygote=self.zygote)
         self.diagnoser = Diagnoser()
         self.watchdog = wd.Watchdog(sample_s=wd.default_sample_s(config.hang_timeout_s))
@@ -155,11 +174,8 @@ class Agent:
     # --------------------------------------------------------------- loop
     async def run(self) -> int:
         self._install_signals()
-        if self.zygote is not None:  # imports torch while the rendezvous runs
-            env = dict(os.environ)
-            if "OMP_NUM_THREADS" not in env and self.config.nproc_per_node > 1:
-                env["OMP_NUM_THREADS"] = "1"  # as the workers get it (read at import)
-            self.zygote.start(env)
+        if self.zygote is not None and not self.zygote.started:
+            self.zygote.start(zygote_env(self.config))  # imports torch while the rendezvous runs
         self._lock_fd = hold_node_lock(self.job_dir, self.node)
         await asyncio.to_thread(wd.sweep_stale)  # progress records of a SIGKILLed agent
         self.replica_server = replicas = start_replica_server(self._token, self.node)

@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 from dlrover_hpc.agent import embedded
-from dlrover_hpc.agent.agent import Agent
+from dlrover_hpc.agent.agent import Agent, start_zygote
+from dlrover_hpc.agent.zygote import Zygote
 from dlrover_hpc.config import MasterConfig, NodeRange, RunConfig, parse_host_port
 from dlrover_hpc.errors import ConfigError
 from dlrover_hpc.jobdir import default_job_dir, make_job_dir
@@ -41,8 +42,9 @@ def find_master(job_dir: Path, *, timeout_s: float = MASTER_WAIT_S) -> tuple[str
 
 
 def run_agent(config: RunConfig) -> int:
+    zygote = start_zygote(config)
     if config.standalone:
-        return _run_standalone(config)
+        return _run_standalone(config, zygote)
     job_dir = make_job_dir(config.job_dir or default_job_dir())
     master = config.master
     if master is None and os.environ.get("DLROVER_HPC_MASTER"):
@@ -50,10 +52,11 @@ def run_agent(config: RunConfig) -> int:
     if master is None:
         embedded_plan = _embedded_plan(config, job_dir)
         if embedded_plan is not None:
-            return _run_embedded(config, job_dir, embedded_plan)
+            return _run_embedded(config, job_dir, embedded_plan, zygote)
         master = find_master(job_dir)
     token = resolve_token(job_dir, create=False)
-    return asyncio.run(Agent(config, master=master, token=token, job_dir=job_dir).run())
+    agent = Agent(config, master=master, token=token, job_dir=job_dir, zygote=zygote)
+    return asyncio.run(agent.run())
 
 
 #: Without --rdzv-endpoint, how long SLURM_PROCID 0 looks for a master step's master.json
@@ -86,7 +89,9 @@ def _embedded_plan(config: RunConfig, job_dir: Path) -> embedded.Plan | None:
     )
 
 
-def _run_embedded(config: RunConfig, job_dir: Path, plan: embedded.Plan) -> int:
+def _run_embedded(
+    config: RunConfig, job_dir: Path, plan: embedded.Plan, zygote: Zygote | None
+) -> int:
     deadline = time.monotonic() + MASTER_WAIT_S
     if plan.host:
         token = resolve_token(job_dir, create=True)
@@ -109,7 +114,9 @@ def _run_embedded(config: RunConfig, job_dir: Path, plan: embedded.Plan) -> int:
         port = thread.start()
         if port:
             log.info("embedded job master listening port=%d job_dir=%s", port, job_dir)
-            agent = Agent(config, master=("127.0.0.1", port), token=token, job_dir=job_dir)
+            agent = Agent(
+                config, master=("127.0.0.1", port), token=token, job_dir=job_dir, zygote=zygote
+            )
             code = asyncio.run(agent.run())
             if code == 143:  # stopped by a signal (scancel, time limit): the job ends with it
                 thread.stop("SIGTERM")
@@ -124,10 +131,11 @@ def _run_embedded(config: RunConfig, job_dir: Path, plan: embedded.Plan) -> int:
     else:
         master = embedded.wait_master_json(job_dir, deadline=deadline)
     token = embedded.wait_token(job_dir, deadline=deadline)
-    return asyncio.run(Agent(config, master=master, token=token, job_dir=job_dir).run())
+    agent = Agent(config, master=master, token=token, job_dir=job_dir, zygote=zygote)
+    return asyncio.run(agent.run())
 
 
-def _run_standalone(config: RunConfig) -> int:
+def _run_standalone(config: RunConfig, zygote: Zygote | None) -> int:
     job_dir = make_job_dir(
         config.job_dir or os.path.join(os.getcwd(), ".dlrover-hpc", f"standalone-{os.getpid()}")
     )
@@ -146,7 +154,7 @@ def _run_standalone(config: RunConfig) -> int:
         job_dir=job_dir,
     )
     port = master.start()
-    agent = Agent(config, master=("127.0.0.1", port), token=token, job_dir=job_dir)
+    agent = Agent(config, master=("127.0.0.1", port), token=token, job_dir=job_dir, zygote=zygote)
     code = asyncio.run(agent.run())
     master.join(timeout_s=10)
     return code

@@ -196,3 +196,55 @@ def test_network_probes_run_as_forks_of_the_zygote(zygote: Zygote) -> None:
         timeout_s=10,
         what="the lone probe's fork to be gone",
     )
+
+
+FORKED = """
+import json, os, subprocess, sys
+import psutil, torch
+from dlrover_hpc.agent.zygote import Zygote
+
+z = Zygote(sys.argv[1])
+z.start(dict(os.environ, OMP_NUM_THREADS="1"), fork=True)
+assert z.ready(60), "the forked zygote did not come up"
+me = psutil.Process()
+[child] = me.children()
+out = subprocess.run(
+    [sys.executable, *z.client_args([sys.argv[2], sys.argv[3], "ok"], module=False)],
+    capture_output=True, text=True, timeout=60,
+)
+report = {
+    "parent": os.getpid(), "forked": z._forked, "child": child.pid,
+    "cmdline": " ".join(child.cmdline()).strip(), "name": child.name(),
+    "returncode": out.returncode, "stderr": out.stderr[-2000:],
+}
+z.stop()
+report["stopped"] = not psutil.pid_exists(report["forked"]) and not me.children()
+print(json.dumps(report))
+"""
+
+
+def test_the_agent_forks_its_zygote_when_torch_is_imported_and_it_runs_one_thread(
+    tmp_path: Path,
+) -> None:
+    """No second `import torch` on the node: a fork of the agent (one thread, torch imported)
+    serves as the zygote, shows as one in `ps`, forks workers with torch preloaded, stops."""
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out.json"
+    sock = tmp_path / "z.sock"
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED, str(sock), str(script), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["forked"] == report["child"] > 0, report
+    title = f"{sys.executable} -m dlrover_hpc.agent.zygote serve {sock} {report['parent']}"
+    assert report["cmdline"] == title, report
+    assert report["name"] == os.path.basename(sys.executable)[:15], report
+    assert report["returncode"] == 0, report
+    worker = json.loads(out.read_text())
+    assert worker["preloaded"] and worker["name"] == "__main__", worker
+    assert report["stopped"], report
