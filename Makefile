@@ -31,8 +31,14 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: venv lint
-	$(PYTEST) tests
+# The lint runs beside the tests (it needs ~25 s of one core while the local Slurms come up),
+# its output kept for the end; either one failing fails the target.
+test: venv
+	@$(MAKE) --no-print-directory lint > $(VENV)/lint.log 2>&1 & lint=$$!; \
+	$(PYTEST) tests; tests=$$?; \
+	wait $$lint; lint=$$?; cat $(VENV)/lint.log; \
+	if [ $$lint -ne 0 ]; then echo "make test: lint failed (above)"; fi; \
+	[ $$tests -eq 0 ] && [ $$lint -eq 0 ]
 
 # The unit tests only (no local Slurm, no whole jobs): the edit loop.
 test-fast: venv
