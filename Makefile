@@ -6,7 +6,7 @@ NODES  ?= 4
 # Test workers side by side, each with a local Slurm of its own (tests/conftest.py).
 # --dist loadgroup hands out one test at a time (no test is grouped), in collection order: the
 # longest first (tests/conftest.py), so the short ones fill the gaps at the end.
-WORKERS ?= 3
+WORKERS ?= 4
 PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup --durations=10
 
 .PHONY: venv demo test test-fast lint down clean
