@@ -416,7 +416,12 @@ class Agent:
         while True:
             await asyncio.sleep(self._heartbeat_s)
             running = self.workers.running and self._round_state is m.NodeState.ACTIVE
+            polled_round = self.round
             progress = await asyncio.to_thread(self.watchdog.poll) if running else []
+            if self.round != polled_round:
+                # A new round began while the poll ran: what it read is the ended round's
+                # workers (a stopped one among them), not the new round's.
+                progress = []
             # The round trip of the previous heartbeat: the master compares nodes' to find a
             # slow link (a node whose every packet queues behind a throttled or lossy link).
             beat = m.Heartbeat(
