@@ -9,12 +9,19 @@ rank hangs, once (a marker file keeps the restarted workers from hanging again):
 - ``link_cut``: on the local Slurm (3 nodes, gloo on the data network ``eth1``), node3's data
   link goes down while its control link (the master, Slurm) stays up.
 
+With ``--backend nccl`` (a CUDA GPU) the standalone kinds run with NCCL: the survivor waits in an
+NCCL all-reduce (its stack, collected at the detection, is summarised) and NCCL's own timeout
+(10 min) never fires first; the job restarts the workers and resumes. Two ranks on one GPU are
+two NCCL "hosts" (``NCCL_HOSTID`` per rank, sockets between them), since NCCL refuses two ranks
+of one host on one device.
+
 Each must be detected within ``2 x p99 + 10 s`` (at least 30 s) of the job's step time.
 Prints one JSON line: per kind the detection latency (``hang_detected`` time minus the fault
 time), the bound the master applied and what it came from, and whether the job then finished.
 
     python benchmarks/hang_detection.py            # all four (link_cut needs root)
     python benchmarks/hang_detection.py --kinds stopped,loader
+    python benchmarks/hang_detection.py --kinds stopped,peer_hang,loader --backend nccl
 """
 
 from __future__ import annotations
@@ -37,13 +44,21 @@ import torch, torch.distributed as dist, torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
-kind, marker, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+kind, marker, steps, backend = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 HANG_AT = 60
-dist.init_process_group("gloo")
+device = torch.device("cpu")
+if backend == "nccl":
+    if torch.cuda.device_count() < int(os.environ["LOCAL_WORLD_SIZE"]):
+        # NCCL refuses two ranks of one host on one GPU: each rank its own "host".
+        os.environ["NCCL_HOSTID"] = "hang-bench-rank" + os.environ["RANK"]
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+dist.init_process_group(backend)
 rank = dist.get_rank()
 torch.manual_seed(0)
 torch.set_num_threads(1)
 first = not os.path.exists(marker)
+resumed = os.path.join(os.path.dirname(marker), "resumed.json")
 
 
 def hang_now():
@@ -63,10 +78,12 @@ class Samples(Dataset):
         return torch.randn(16)
 
 
-model = DDP(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1)))
+net = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1)).to(device)
+model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 step = 0
 for x in DataLoader(Samples(), batch_size=1, num_workers=1):
+    x = x.to(device)
     step += 1
     if step > steps:
         break
@@ -85,6 +102,10 @@ for x in DataLoader(Samples(), batch_size=1, num_workers=1):
     opt.zero_grad()
     loss.backward()
     opt.step()
+    loss.item()  # the loss logged each step: the host waits for the step's collectives
+    if not first and rank == 0 and not os.path.exists(resumed):
+        with open(resumed, "w") as f:
+            json.dump({"time": time.time(), "step": step}, f)
 """
 
 
@@ -110,18 +131,38 @@ def _summary(kind: str, work: Path, job_dir: Path, rc: int | None) -> dict:
             why=h["why"],
         )
         out["within_bound"] = out["latency_s"] <= h["bound_s"] + 10.0
+        out["survivor_stack"] = _survivor_frames(Path(h["directory"]), h["suspected_rank"])
     else:
         out["latency_s"] = None
+    resumed = work / "resumed.json"
+    if resumed.exists():  # the restarted workers' first whole step after the fault
+        out["recovered_s"] = round(json.loads(resumed.read_text())["time"] - marker["time"], 1)
     return out
 
 
-def standalone(kind: str, work: Path, steps: int) -> dict:
+def _survivor_frames(directory: Path, suspect: int) -> list[str]:
+    """The innermost frames of a survivor's main thread: where the survivors waited."""
+    for path in sorted(directory.glob("rank-*.txt")):
+        if path.stem != f"rank-{suspect}":
+            lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+            main = [i for i, ln in enumerate(lines) if ln.startswith("Thread") and "(main)" in ln]
+            return lines[main[0] : main[0] + 4] if main else lines[:4]
+    return []
+
+
+def _dlrover_run() -> list[str]:
+    script = Path(sys.executable).parent / "dlrover-run"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "dlrover_hpc.cli.run"]
+
+
+def standalone(kind: str, work: Path, steps: int, backend: str) -> dict:
     script = work / "job.py"
     script.write_text(SCRIPT)
     job_dir = work / "job"
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [
-            str(Path(sys.executable).parent / "dlrover-run"),
+            *_dlrover_run(),
             "--standalone",
             "--nproc-per-node=2",
             f"--job-dir={job_dir}",
@@ -130,14 +171,18 @@ def standalone(kind: str, work: Path, steps: int) -> dict:
             kind,
             str(work / "marker.json"),
             str(steps),
+            backend,
         ],
         cwd=work,
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath},
     )
-    return _summary(kind, work, job_dir, proc.returncode)
+    out = _summary(kind, work, job_dir, proc.returncode)
+    if proc.returncode != 0:
+        out["log_tail"] = proc.stderr[-1500:]
+    return out
 
 
 def link_cut(work: Path, steps: int) -> dict:
@@ -168,6 +213,7 @@ def link_cut(work: Path, steps: int) -> dict:
             "link_cut",
             str(work / "marker.json"),
             str(steps),
+            "gloo",
         ],
         cwd=work,
         env=env,
@@ -207,17 +253,31 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kinds", default="stopped,peer_hang,loader,link_cut")
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     args = p.parse_args()
-    results = {}
+    results: dict = {}
+    meta: dict = {"backend": args.backend}
+    if args.backend == "nccl":
+        import torch
+        import torch.distributed as dist
+
+        if not torch.cuda.is_available():
+            sys.exit("--backend nccl needs a CUDA GPU")
+        meta["nccl"] = {
+            "version": ".".join(map(str, torch.cuda.nccl.version())),
+            "device": torch.cuda.get_device_name(0),
+            "timeout_s": dist.constants.default_pg_nccl_timeout.total_seconds(),
+            "torch": torch.__version__,
+        }
     for kind in args.kinds.split(","):
         with tempfile.TemporaryDirectory(prefix=f"hang-{kind}-", dir="/tmp") as tmp:
             work = Path(tmp)
             results[kind] = (
                 link_cut(work, args.steps)
                 if kind == "link_cut"
-                else standalone(kind, work, args.steps)
+                else standalone(kind, work, args.steps, args.backend)
             )
-    print(json.dumps({"kinds": results, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ")}))
+    print(json.dumps({"kinds": results, **meta, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ")}))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ section, a checkpoint persisted on exit) runs to the end without a false alarm."
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from runtime_helpers import BIN, TRAIN, events, named
 
 from dlrover_hpc import progress
@@ -346,3 +348,21 @@ def test_a_rank_slow_in_backward_in_its_optimizer_or_in_its_data_is_found(tmp_pa
         assert 0 < latency <= 60.0 + 10.0, (e, latency)  # + the workers' start-up
         assert e["ratio"] >= 2 and e["peers_wait_s"] >= 0.1, e
     assert not named(evs, "hang_detected")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL)")
+def test_nccl_rank_stopped_before_all_reduce(tmp_path: Path) -> None:
+    """Issue 25, item 6: the survivor waits in an NCCL all-reduce; the job does not wait for
+    NCCL's 10-minute timeout: the stopped rank is found, the workers restart and finish."""
+    spec = importlib.util.spec_from_file_location(
+        "hang_detection", Path(__file__).parents[2] / "benchmarks" / "hang_detection.py"
+    )
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = bench.standalone("stopped", tmp_path, 120, "nccl")
+    print(out)
+    assert out["finished"], out
+    assert out["bound_from"] == "stopped process" and out["suspected_rank"] == 1, out
+    assert out["latency_s"] <= 10.0 + 10.0, out
+    assert out["recovered_s"] < 120.0, out  # far inside NCCL's own 600 s
