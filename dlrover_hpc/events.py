@@ -42,5 +42,6 @@ class EventName(StrEnum):
     CHECKPOINT_SAVE_FAILED = "checkpoint_save_failed"
     CHECKPOINT_PERSISTED = "checkpoint_persisted"
     CHECKPOINT_PERSIST_FAILED = "checkpoint_persist_failed"
+    CHECKPOINT_STORAGE_LOW = "checkpoint_storage_low"
     CHECKPOINT_RESTORED = "checkpoint_restored"
     CHECKPOINT_REPLICATED = "checkpoint_replicated"  # a node's part copied to peers' memory

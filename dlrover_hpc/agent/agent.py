@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import getpass
 import logging
 import os
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 #: How long the first workers wait for the pre-warmed interpreter (its `import torch`) before
 #: they start as fresh interpreters instead.
 ZYGOTE_WAIT_S = 30.0
+#: At a successful end, how long the node's last persists may take (a large checkpoint on a
+#: slow file system) before it reports to the master what is on storage.
+END_PERSIST_TIMEOUT_S = 600.0
 
 
 def new_zygote() -> Zygote:
@@ -296,9 +300,14 @@ class Agent:
             final = await asyncio.to_thread(self.watchdog.poll)  # each rank's last step
             stopped = self.watchdog.stopped()
             self.watchdog.stop_round()
+            checkpoints = await asyncio.to_thread(self._persist_for_the_end)
             await self.link.request(
                 m.WorkersSucceeded(
-                    agent_id=self.agent_id, round=a.round, progress=final, stopped=stopped
+                    agent_id=self.agent_id,
+                    round=a.round,
+                    progress=final,
+                    stopped=stopped,
+                    checkpoints=checkpoints,
                 ),
                 m.Ack,
                 timeout_s=30,
@@ -378,6 +387,28 @@ class Agent:
             step = await asyncio.to_thread(self.saver.persist_latest, 120.0)
             if step is not None:
                 log.info("persisted the newest in-memory checkpoint step=%d", step)
+
+    def _persist_for_the_end(self) -> list[m.Durability]:
+        """The workers succeeded: persist the newest in-memory step, finish every queued
+        persist (the commits need the master, which waits for this node), then read what is
+        on storage, so the master can tell a job whose newest step is not durable."""
+        if self.saver is None:
+            return []
+        self.saver.persist_latest(END_PERSIST_TIMEOUT_S)
+        if not self.saver.wait_idle(END_PERSIST_TIMEOUT_S):
+            log.warning("persists still running after %.0f s at the end", END_PERSIST_TIMEOUT_S)
+        found = [m.Durability(**dataclasses.asdict(d)) for d in self.saver.durability()]
+        for d in found:
+            if d.durable < d.wanted:
+                log.error(
+                    "checkpoint step %d is not on storage: the newest committed in %s is step "
+                    "%d (%s)",
+                    d.wanted,
+                    d.ckpt_dir,
+                    d.durable,
+                    d.error or "its persist did not finish",
+                )
+        return found
 
     # ---------------------------------------------------- background tasks
     async def _pushes(self) -> None:

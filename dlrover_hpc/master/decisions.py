@@ -194,10 +194,36 @@ def charge(*, restart_count: int, max_restarts: int, reason: str = "") -> list[A
 
 
 def workers_succeeded(phase: Phase, participants: Sequence[NodeRecord]) -> list[Action]:
-    """A node's workers all exited 0; the job is done when every node of the round is."""
+    """A node's workers all exited 0; the job is done when every node of the round is, and
+    it failed (exit 1) if the newest step it was asked to persist is not on storage: the next
+    run would silently start from an older step."""
     if phase is Phase.RUNNING and all(n.state is NodeState.DONE for n in participants):
+        for ckpt_dir, (wanted, durable, error) in sorted(durability(participants).items()):
+            if durable < wanted:
+                newest = f"step {durable}" if durable >= 0 else "none"
+                return [
+                    Finish(
+                        1,
+                        f"all workers succeeded, but checkpoint step {wanted} is not on "
+                        f"storage: the newest committed in {ckpt_dir} is {newest} "
+                        f"({error or 'its persist did not finish'}); a new run resumes from it",
+                    )
+                ]
         return [Finish(0, "all workers succeeded")]
     return []
+
+
+def durability(nodes: Sequence[NodeRecord]) -> dict[str, tuple[int, int, str]]:
+    """Per checkpoint directory: (the newest step any node was asked to persist, the newest
+    committed step any node read on storage, a persist failure).  Each node reads storage after
+    its own last persist; the node that completes the newest commit reads it after writing it,
+    so the largest reading is the one to trust."""
+    out: dict[str, tuple[int, int, str]] = {}
+    for n in nodes:
+        for c in n.checkpoints:
+            wanted, durable, error = out.get(c.ckpt_dir, (-1, -1, ""))
+            out[c.ckpt_dir] = (max(wanted, c.wanted), max(durable, c.durable), error or c.error)
+    return out
 
 
 def excluded(phase: Phase, node: str, reason: str, was_active: bool) -> list[Action]:

@@ -270,6 +270,7 @@ class AgentHandlers:
         if msg.round == self.job.round and rec.state in (NodeState.ACTIVE, NodeState.DONE):
             self._progress(rec, msg.progress, final=True)
             rec.state, rec.stopped = NodeState.DONE, msg.stopped
+            rec.checkpoints = list(msg.checkpoints)
             log.info("workers succeeded node=%s rank=%d", rec.node, rec.rank)
             self.job.apply(d.workers_succeeded(self.job.phase, self.job.participants()))
         return m.Ack()

@@ -287,11 +287,21 @@ class Job:
         self.exit_code, self.finish_reason = exit_code, reason
         log.info("job finished exit_code=%d reason=%s", exit_code, reason)
         self._record(finished=True, exit_code=exit_code)
+        stored = d.durability(list(self.nodes.values()))
+        checkpoint = (
+            {
+                "checkpoint_step": max(w for w, _, _ in stored.values()),
+                "durable_step": min(c for _, c, _ in stored.values()),
+            }
+            if stored
+            else {}
+        )
         self.emit(
             EventName.JOB_FINISHED,
             exit_code=exit_code,
             reason=reason,
             restart_count=self.restart_count,
+            **checkpoint,
         )
         for rec in self.nodes.values():
             if rec.waiter is not None and not rec.waiter.done():

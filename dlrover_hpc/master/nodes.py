@@ -36,6 +36,7 @@ class NodeRecord:
     launch_cwd: str = ""
     replica_port: int = 0  # its checkpoint replica server (Join), 0: none
     stopped: bool = False  # its workers ended for a stop notice (WorkersSucceeded)
+    checkpoints: list[m.Durability] = dataclasses.field(default_factory=list)  # at its end
     #: a member of the running round restored from the journal, not yet heard from
     resumed: bool = False
 

@@ -175,12 +175,25 @@ class WorkerFailed(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Durability:
+    """A node's persists to one checkpoint directory at the end: the newest step it was
+    asked to persist, the newest committed on storage, the newest failure."""
+
+    ckpt_dir: str
+    wanted: int
+    durable: int  # -1: none
+    error: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class WorkersSucceeded(Message):
     TYPE: ClassVar[str] = "workers_succeeded"
     agent_id: str
     round: int
     progress: list[RankProgress] = dataclasses.field(default_factory=list)  # the final steps
     stopped: bool = False  # they ended for a stop notice (time limit), not because training did
+    #: after the node's last persists: what is on storage (empty: it persisted nothing)
+    checkpoints: list[Durability] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -151,6 +151,26 @@ def test_workers_succeeded(phase: Phase, states: list[NodeState], expected: list
     assert d.workers_succeeded(phase, records) == expected
 
 
+def test_a_job_whose_newest_step_is_not_durable_fails_naming_the_durable_step() -> None:
+    a, b = rec("n0", DONE, rank=0), rec("n1", DONE, rank=1)
+    # n0 drained first and read storage before n1 (the committer) wrote step 40's record.
+    a.checkpoints = [m.Durability(ckpt_dir="/ck", wanted=40, durable=35)]
+    b.checkpoints = [m.Durability(ckpt_dir="/ck", wanted=40, durable=40)]
+    assert d.workers_succeeded(Phase.RUNNING, [a, b]) == [d.Finish(0, "all workers succeeded")]
+    b.checkpoints = [m.Durability(ckpt_dir="/ck", wanted=40, durable=25, error="step 30: ENOSPC")]
+    [finish] = d.workers_succeeded(Phase.RUNNING, [a, b])
+    assert finish == d.Finish(
+        1,
+        "all workers succeeded, but checkpoint step 40 is not on storage: the newest committed "
+        "in /ck is step 35 (step 30: ENOSPC); a new run resumes from it",
+    )
+    a.checkpoints = b.checkpoints = [m.Durability(ckpt_dir="/ck", wanted=10, durable=-1)]
+    [finish] = d.workers_succeeded(Phase.RUNNING, [a, b])
+    assert finish.exit_code == 1 and "is none (its persist did not finish)" in finish.reason
+    a.checkpoints = b.checkpoints = []  # nothing persisted (memory only): nothing to check
+    assert d.workers_succeeded(Phase.RUNNING, [a, b]) == [d.Finish(0, "all workers succeeded")]
+
+
 @pytest.mark.parametrize(
     "phase,was_active,expected",
     [

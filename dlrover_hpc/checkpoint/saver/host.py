@@ -20,7 +20,7 @@ from typing import Any
 
 from dlrover_hpc.checkpoint.api import CommitCoordinator, EventSink, FaultHook
 from dlrover_hpc.checkpoint.env import DEFAULT_SHM_DIR, current_user, segment_prefix
-from dlrover_hpc.checkpoint.saver.persist_queue import SaverCore
+from dlrover_hpc.checkpoint.saver.persist_queue import Durability, SaverCore
 from dlrover_hpc.checkpoint.saver.recovery import persist_latest
 from dlrover_hpc.checkpoint.saver.replica_sender import ReplicaSender
 from dlrover_hpc.checkpoint.saver.replicas import replica_peers
@@ -139,6 +139,9 @@ class SaverHost:
 
     def wait_idle(self, timeout_s: float) -> bool:
         return self.core.wait_idle(timeout_s)
+
+    def durability(self) -> list[Durability]:
+        return self.core.durability()
 
     def segments(self) -> list[str]:
         return [s.path for s in list_segments(self.shm_dir, self.prefix)]

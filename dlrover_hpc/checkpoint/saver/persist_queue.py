@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import shutil
 import threading
 import time
 
@@ -25,6 +26,20 @@ from dlrover_hpc.events import EventName
 
 logger = logging.getLogger(__name__)
 SAY_EVERY_S = 5.0  # a persist that outlasts this on close says what is left, this often
+
+
+#: Warn while the checkpoint storage has room for fewer than this many more checkpoints.
+LOW_SPACE_CHECKPOINTS = 2
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Durability:
+    """Where this node's persists to one checkpoint directory stand (read at the job's end)."""
+
+    ckpt_dir: str
+    wanted: int  # the newest step this node was asked to persist
+    durable: int  # the newest step committed on storage (-1: none)
+    error: str = ""  # the newest persist failure, "" when none
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -64,6 +79,9 @@ class SaverCore:
         self._durable: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=256)
         self._failed: dict[int, int] = {}
         self._committed: dict[str, int] = {}
+        self._wanted: dict[str, int] = {}  # per checkpoint directory: the newest step submitted
+        self._errors: dict[str, str] = {}  # per checkpoint directory: the newest failure
+        self._low_space: set[str] = set()  # directories warned about (until room returns)
         self._token: int | None = None
         self._thread: threading.Thread | None = None
 
@@ -118,6 +136,7 @@ class SaverCore:
             self._observe_token(info.token)
             self._pinned.add(path)
             self._queue.append(_Request(path=path, segment=seg, header=header, info=info))
+            self._wanted[info.ckpt_dir] = max(self._wanted.get(info.ckpt_dir, -1), step)
             self._cond.notify_all()
 
     def _segment(self, path: str) -> Segment:
@@ -167,8 +186,10 @@ class SaverCore:
                 self._busy = True
             try:
                 self._persist_batch(batch)
-            except Exception:  # thread boundary: log once, keep serving
+            except Exception as exc:  # thread boundary: log once, keep serving
                 logger.exception("checkpoint saver_error step=%d", first.info.step)
+                with self._cond:
+                    self._errors[first.info.ckpt_dir] = f"step {first.info.step}: {exc!r}"
             finally:
                 with self._cond:
                     for r in batch:
@@ -248,6 +269,8 @@ class SaverCore:
             with self._cond:
                 root = cdir.root
                 self._committed[root] = max(self._committed.get(root, -1), info.step)
+        if nbytes:
+            self._check_space(storage, cdir.root, info, nbytes // max(1, len(done)))
         seconds = time.perf_counter() - t0
         logger.info(
             "checkpoint persisted step=%d ranks=%s seconds=%.3f bytes=%d committed=%s",
@@ -273,10 +296,57 @@ class SaverCore:
         with self._cond:
             return all((r, info.step, info.token) in self._durable for r in info.ranks)
 
+    def _check_space(self, storage: Storage, root: str, info: PartInfo, part_bytes: int) -> None:
+        """A warning (log and ``checkpoint_storage_low``) when the storage under a local
+        checkpoint directory has room for fewer than :data:`LOW_SPACE_CHECKPOINTS` more
+        checkpoints of this size; once, until room returns."""
+        if not storage.local:
+            return  # an object store or a remote file system says nothing of its free space
+        try:
+            free = shutil.disk_usage(storage.path(root)).free
+        except OSError:
+            return
+        need = part_bytes * info.parts  # the whole checkpoint, every rank's part
+        if free >= LOW_SPACE_CHECKPOINTS * need:
+            self._low_space.discard(root)
+            return
+        if root in self._low_space:
+            return
+        self._low_space.add(root)
+        retention = info.retention()
+        fix = (
+            "keep fewer checkpoints: keep_last=N or keep_interval=N on the checkpointer "
+            "(DLRover's deletion_strategy=KeepLatestStepStrategy / KeepStepIntervalStrategy); "
+            f"now keep_last={retention.get('keep_last')} "
+            f"keep_interval={retention.get('keep_interval')}; or free space, or move the "
+            "checkpoint directory to a larger file system"
+        )
+        logger.warning(
+            "checkpoint storage_low dir=%s free_bytes=%d checkpoint_bytes=%d step=%d: room for "
+            "fewer than %d more checkpoints; %s",
+            root,
+            free,
+            need,
+            info.step,
+            LOW_SPACE_CHECKPOINTS,
+            fix,
+        )
+        if self._events is not None:
+            self._events.emit(
+                EventName.CHECKPOINT_STORAGE_LOW,
+                step=info.step,
+                path=root,
+                free_bytes=free,
+                checkpoint_bytes=need,
+                fix=fix,
+                node=self._node,
+            )
+
     def _report_failure(self, info: PartInfo, exc: BaseException) -> None:
         with self._cond:
             for rank in info.ranks:
                 self._failed[rank] = info.step
+            self._errors[info.ckpt_dir] = f"step {info.step}: {exc}"
         logger.warning(
             "checkpoint persist_failed step=%d ranks=%s path=%s error=%s: training continues "
             "and the previous checkpoint stays intact",
@@ -382,6 +452,22 @@ class SaverCore:
 
     def newest_committed(self, ckpt_dir: str) -> int | None:
         return CheckpointDir(ckpt_dir, self._storage(ckpt_dir)).newest_step()
+
+    def durability(self) -> list[Durability]:
+        """Per checkpoint directory this saver persisted to: the newest step it was asked to
+        persist against the newest step committed on storage (read there, now)."""
+        with self._cond:
+            wanted, errors = dict(self._wanted), dict(self._errors)
+        out = []
+        for ckpt_dir, step in sorted(wanted.items()):
+            try:
+                newest = self.newest_committed(ckpt_dir)
+            except (OSError, CheckpointError) as exc:
+                newest, errors[ckpt_dir] = None, errors.get(ckpt_dir) or f"reading it: {exc}"
+            durable = -1 if newest is None else newest
+            error = errors.get(ckpt_dir, "") if durable < step else ""
+            out.append(Durability(ckpt_dir=ckpt_dir, wanted=step, durable=durable, error=error))
+        return out
 
 
 def _committed_on_storage(cdir: CheckpointDir, step: int, token: int | None) -> bool:
