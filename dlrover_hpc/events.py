@@ -17,6 +17,7 @@ class EventName(StrEnum):
     WORKER_FAILED = "worker_failed"
     WORKERS_RESTARTED = "workers_restarted"
     JOB_FINISHED = "job_finished"
+    LOG_REPAIRED = "log_repaired"  # a master found a torn last line and sealed it
     TRAINING_PROGRESS = "training_progress"  # the job's step (round, step, at), every few s
     MASTER_RECOVERED = "master_recovered"  # a restarted master adopted the running round
     # Nodes (master).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -23,6 +24,52 @@ def _append_line(path: Path, obj: dict[str, Any]) -> None:
         os.write(fd, data)
     finally:
         os.close(fd)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TornLine:
+    """A last line cut mid-write, found at a master's start."""
+
+    path: Path
+    line: int  # its number, from 1
+    nbytes: int
+    text: str  # its first bytes, as Python writes them
+
+
+_CHUNK = 1 << 20
+
+
+def seal_torn_line(path: Path) -> TornLine | None:
+    """Ends a last line that was cut mid-write (its writer's node lost power, the disk filled)
+    with a newline, so that the next record starts a line of its own instead of being glued to
+    the torn one and lost with it; the torn line stays, as evidence, and readers skip it.
+
+    A newline appended (never a truncation) is safe while other processes append their own
+    lines: the workers write checkpoint events to ``events.jsonl`` beside a new master."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND)
+    except FileNotFoundError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+            return None
+        newlines, offset, start = 0, 0, 0  # start: where the last line begins
+        while offset < size:
+            chunk = os.pread(fd, min(_CHUNK, size - offset), offset)
+            if not chunk:
+                break
+            newlines += chunk.count(b"\n")
+            last = chunk.rfind(b"\n")
+            if last >= 0:
+                start = offset + last + 1
+            offset += len(chunk)
+        head = os.pread(fd, min(80, size - start), start)
+        os.write(fd, b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return TornLine(path=path, line=newlines + 1, nbytes=size - start, text=repr(head))
 
 
 class EventLog:
@@ -63,15 +110,23 @@ class Journal:
         on (a new round is a new generation of workers: older parts never complete), and
         ``time`` is the newest record's."""
         state: dict[str, Any] = {"ckpt_parts": []}
-        try:
-            lines = self.path.read_text().splitlines()
+        try:  # a power loss can leave any bytes (zeros) where a line was being written
+            lines = self.path.read_bytes().decode(errors="replace").splitlines()
         except FileNotFoundError:
             return state
         for number, line in enumerate(lines, 1):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
-                log.warning("journal line skipped file=%s line=%d (torn write)", self.path, number)
+                if line.strip():
+                    log.warning(
+                        "journal line skipped file=%s line=%d (torn write)", self.path, number
+                    )
+                continue
+            if not isinstance(record, dict):
+                log.warning(
+                    "journal line skipped file=%s line=%d (not an object)", self.path, number
+                )
                 continue
             if "ckpt_part" in record:
                 state["ckpt_parts"].append(record["ckpt_part"])

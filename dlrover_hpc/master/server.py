@@ -17,6 +17,7 @@ from typing import Any
 
 from dlrover_hpc.config import MasterConfig
 from dlrover_hpc.errors import ProtocolError
+from dlrover_hpc.events import EventName
 from dlrover_hpc.master import failover, metrics, stopping
 from dlrover_hpc.master.continuation import Continuer, StopKind
 from dlrover_hpc.master.datasets import Datasets
@@ -24,7 +25,7 @@ from dlrover_hpc.master.decisions import Relaunch
 from dlrover_hpc.master.handlers import AgentHandlers
 from dlrover_hpc.master.hangs import HangWatch
 from dlrover_hpc.master.job import Job
-from dlrover_hpc.master.journal import EventLog, Journal
+from dlrover_hpc.master.journal import EventLog, Journal, seal_torn_line
 from dlrover_hpc.master.policy import NodeRemover
 from dlrover_hpc.master.relaunch import Relauncher, SrunLauncher
 from dlrover_hpc.master.replace import Replacer
@@ -62,6 +63,8 @@ class MasterServer:
         # Before the journal is read: the master that wrote it must be gone.
         self.epoch = failover.take_over(job_dir) if epoch is None else epoch
         self.superseded = False  # a newer master claimed the job: this one stepped down
+        # Lines cut mid-write by the previous master's end: sealed before anything appends.
+        torn = [seal_torn_line(job_dir / name) for name in ("journal.jsonl", "events.jsonl")]
         self.events = EventLog(job_dir / "events.jsonl")
         self.observer = metrics.Observer(self.events.path)  # goodput so far, from the log
         self._stop_metrics: Callable[[], None] | None = None
@@ -84,6 +87,22 @@ class MasterServer:
             requeue=self._in_thread(self._replacer_requeue) if config.requeue else None,
             relaunch=self._relaunch,
         )
+        for t in torn:
+            if t is not None:
+                log.warning(
+                    "torn last line sealed file=%s line=%d bytes=%d text=%s: skipped when read",
+                    t.path,
+                    t.line,
+                    t.nbytes,
+                    t.text,
+                )
+                self.events.emit(
+                    EventName.LOG_REPAIRED,
+                    file=t.path.name,
+                    line=t.line,
+                    bytes=t.nbytes,
+                    text=t.text,
+                )
         self.replacer: Replacer | None = None
         self.relauncher: Relauncher | None = None
         self._remover = NodeRemover(

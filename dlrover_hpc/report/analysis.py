@@ -352,16 +352,19 @@ def _trained(r: Round, step: int, stretches: list[tuple[Round, float, float]]) -
 
 
 def read_events(path: str | Path) -> Iterable[dict[str, Any]]:
-    """The events of ``path``; a torn last line (a writer died mid-line) is skipped, any other
-    bad line is an error naming the file and line."""
+    """The events of ``path``; a torn last line (a writer died mid-line) is skipped, and so is
+    a torn line that a master sealed (its ``log_repaired`` event names it); any other bad line
+    is an error naming the file and line."""
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_bytes().decode(errors="replace").splitlines()
     except FileNotFoundError:
         raise ReportError(
             f"{path} does not exist; pass --job-dir with a job's directory "
             "(SUBMIT_DIR/.dlrover-hpc/JOB_ID)"
         ) from None
+    events: list[dict[str, Any]] = []
+    bad: list[tuple[int, str]] = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -370,13 +373,20 @@ def read_events(path: str | Path) -> Iterable[dict[str, Any]]:
             if not isinstance(event, dict) or "time" not in event or "event" not in event:
                 raise ValueError("not an object with 'time' and 'event'")
         except ValueError as exc:
-            if number == len(lines):
-                return  # torn last line
+            if number < len(lines):  # the last line may be torn: its writer died mid-line
+                bad.append((number, str(exc)))
+            continue
+        events.append(event)
+    sealed = {
+        e.get("line") for e in events if e["event"] == "log_repaired" and e.get("file") == path.name
+    }
+    for number, why in bad:
+        if number not in sealed:
             raise ReportError(
-                f"{path}, line {number}: not an event ({exc}); every line must be a JSON object "
+                f"{path}, line {number}: not an event ({why}); every line must be a JSON object "
                 "with 'time' and 'event' — restore the file or remove the line"
-            ) from None
-        yield event
+            )
+    return events
 
 
 def analyze(events: Iterable[dict[str, Any]], now: float | None = None) -> Report:

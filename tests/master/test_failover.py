@@ -19,6 +19,7 @@ from dlrover_hpc.master.phases import Phase
 from dlrover_hpc.master.resume import RESUME_GRACE_S
 from dlrover_hpc.master.server import SUPERSEDED, MasterServer
 from dlrover_hpc.protocol import messages as m
+from dlrover_hpc.report.analysis import read_events
 
 from .test_job import Harness, run
 from .test_server import TOKEN, FakeStores
@@ -203,3 +204,48 @@ def test_a_superseded_master_steps_down_without_ending_the_job(tmp_path: Path) -
 
     assert asyncio.run(body()) == SUPERSEDED
     assert "finished" not in Journal(tmp_path / "journal.jsonl").load()
+
+
+# ------------------------------------------------------------------ torn last lines
+def test_a_master_restarted_on_torn_last_lines_seals_them_and_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """Issue 28, item 5: the old master's node lost power mid-write. Without the seal, the new
+    master's first record would be glued to the torn line and skipped with it."""
+
+    def part(h: Harness | MasterServer, ranks: list[int], step: int) -> bool:
+        msg = m.CheckpointPart(step=step, ranks=ranks, world_size=4, path="/ckpt")
+        return h.agents.checkpoint_part(msg).commit
+
+    async def body() -> None:
+        first = Harness(tmp_path)
+        first.start("n1", "n2")
+        assert part(first, [0, 1, 2, 3], step=8)  # committed before the power loss
+        assert not part(first, [0, 1], step=10)
+        with open(tmp_path / "journal.jsonl", "ab") as f:
+            f.write(b'{"time":1.5,"ckpt_part":["/ckpt",10,[2')  # cut mid-write
+        with open(tmp_path / "events.jsonl", "ab") as f:
+            f.write(b'{"time":1.5,"event":"checkpoint_sa\x00\x00\x00')
+        journal_lines = len((tmp_path / "journal.jsonl").read_bytes().split(b"\n"))
+        event_lines = len((tmp_path / "events.jsonl").read_bytes().split(b"\n"))
+
+        cfg = MasterConfig(
+            host="127.0.0.1", nnodes=NodeRange(min=2, max=3), job_id="42", job_dir=str(tmp_path)
+        )
+        server = MasterServer(cfg, token=TOKEN, job_dir=tmp_path, stores=FakeStores())
+        assert server.job.round == 1  # resumed from the journal
+        assert not part(server, [0, 1, 2, 3], step=8)  # step 8 stays committed, once
+        assert part(server, [2, 3], step=10)  # the parts counted before the loss still count
+        loaded = Journal(tmp_path / "journal.jsonl").load()
+        # 8 and 10 before the loss, then the new master's: 8 again (refused) and 10 (parsed,
+        # not glued to the torn line)
+        assert [p[1] for p in loaded["ckpt_parts"]] == [8, 10, 8, 10]
+
+        events = list(read_events(tmp_path / "events.jsonl"))  # the report reads it whole
+        repaired = {e["file"]: e for e in events if e["event"] == "log_repaired"}
+        assert repaired["journal.jsonl"]["line"] == journal_lines
+        assert repaired["events.jsonl"]["line"] == event_lines
+        assert repaired["events.jsonl"]["text"].startswith("b'{\"time\":1.5")
+        assert any(e["event"] == "job_started" and e.get("resumed_round") == 1 for e in events)
+
+    run(body)
