@@ -37,5 +37,9 @@ class CheckpointError(DlroverHpcError):
     """A checkpoint could not be saved, persisted or loaded."""
 
 
+class SegmentSpaceError(CheckpointError):
+    """A segment's file system (/dev/shm) has no room for a save of this size."""
+
+
 class ReportError(UsageError):
     """``dlrover-hpc report`` could not read a job's events or write its plot (exit 2)."""

@@ -20,6 +20,9 @@ ENV_NODE_NAME = "DLROVER_HPC_NODE_NAME"
 #: Where segments live; `/dev/shm` unless set (e.g. a private `huge=always` tmpfs).
 ENV_SHM_DIR = "DLROVER_HPC_SHM_DIR"
 DEFAULT_SHM_DIR = "/dev/shm"
+#: Where a DISK save goes on its way to storage when shared memory has no room for it: a
+#: disk-backed directory (`$TMPDIR`, else /var/tmp, which distributions keep on disk).
+ENV_SPILL_DIR = "DLROVER_HPC_SPILL_DIR"
 SEGMENT_PREFIX = "dlrover-hpc-"
 BUFFERS = ("a", "b")
 
@@ -33,6 +36,10 @@ def safe_component(value: str, *, limit: int = 48) -> str:
         return cleaned
     digest = hashlib.sha1(value.encode()).hexdigest()[:8]
     return f"{cleaned[: limit - 9]}_{digest}"
+
+
+def spill_dir() -> str:
+    return os.environ.get(ENV_SPILL_DIR) or os.environ.get("TMPDIR") or "/var/tmp"
 
 
 def current_user() -> str:

@@ -340,6 +340,47 @@ def test_full_shared_memory_warns_and_keeps_the_previous_step(
         _umount(shm)
 
 
+def test_a_disk_save_that_shared_memory_has_no_room_for_spills_and_is_persisted(
+    tmp_path: Path, job: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28, item 2: /dev/shm too small for the second buffer. The DISK save still
+    reaches storage (through a file in the spill directory); a MEMORY save is skipped with
+    the size needed and the fix; training never stops."""
+    shm, spill = tmp_path / "shm", tmp_path / "spill"
+    _mount_tmpfs(shm, "3m")  # room for one 2 MiB segment, not two
+    spill.mkdir()
+    monkeypatch.setenv("DLROVER_HPC_SPILL_DIR", str(spill))
+    events = ListEventSink()
+    ckpt = None
+    try:
+        ckpt = DdpCheckpointer(
+            str(tmp_path / "ck"), env=_env(job, DLROVER_HPC_SHM_DIR=str(shm)), events=events
+        )
+        state = filled_state(1, numel=64 << 10)
+        assert ckpt.save_checkpoint(1, state, storage_type=StorageType.MEMORY)
+        assert ckpt.save_checkpoint(2, filled_state(2, numel=64 << 10))  # DISK: spilled
+        assert ckpt.wait_latest_checkpoint(30)
+        assert "checkpoint spilled step=2" in caplog.text and str(spill) in caplog.text
+        assert "--shm-size" in caplog.text and "--mem" in caplog.text
+        [saved] = [e for e in events.named("checkpoint_saved") if e["step"] == 2]
+        assert saved["storage"] == "disk" and "cannot reserve" in saved["spilled"]
+        assert os.listdir(spill) == []  # the saver had it mapped; the name is gone
+        check_filled(ckpt.load_checkpoint(memory=False), 2)  # from storage, whole
+        check_filled(ckpt.load_checkpoint(), 2)
+        assert ckpt.save_checkpoint(3, filled_state(3, numel=64 << 10))  # spills again
+        assert ckpt.wait_latest_checkpoint(30)
+        check_filled(ckpt.load_checkpoint(memory=False), 3)
+        assert not ckpt.save_checkpoint(
+            4, filled_state(4, numel=64 << 10), storage_type=StorageType.MEMORY
+        )  # no room in memory, and a MEMORY save does not spill
+        [failed] = events.named("checkpoint_save_failed")
+        assert failed["step"] == 4 and "needs two such buffers" in failed["error"]
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+        _umount(shm)
+
+
 def test_full_disk_warns_keeps_the_previous_checkpoint_and_leaves_no_temp_files(
     tmp_path: Path, job: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -98,3 +98,57 @@ def test_a_job_whose_newest_step_is_not_on_storage_says_so(
     [finished] = named(evs, "job_finished")
     assert finished["checkpoint_step"] == finished["durable_step"] == 40, finished
     assert not named(evs, "checkpoint_storage_low") and not named(evs, "checkpoint_persist_failed")
+
+
+def test_a_job_whose_shared_memory_is_too_small_still_persists_every_disk_save(
+    tmp_path: Path,
+) -> None:
+    """Issue 28, item 2, as a container with a small --shm-size: the job runs in a mount
+    namespace of its own whose /dev/shm holds one 1.5 MiB buffer, not two. Every DISK save
+    after the first spills through a disk file and is persisted; nothing fails or stops."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root for a mount namespace with a small /dev/shm")
+    script = tmp_path / "filling.py"
+    script.write_text(FILLING)
+    job_dir, ckpt_dir, spill = tmp_path / "job", tmp_path / "ckpt", tmp_path / "spill"
+    spill.mkdir()
+    run = " ".join(
+        [
+            str(BIN / "dlrover-run"),
+            "--standalone",
+            "--nproc-per-node=1",
+            f"--job-dir={job_dir}",
+            "--rdzv-id=small-shm",
+            str(script),
+            str(ckpt_dir),
+            "0",
+        ]
+    )
+    proc = subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation=private",
+            "sh",
+            "-c",
+            f"mount -t tmpfs -o size=3m tmpfs /dev/shm && exec {run}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "DLROVER_HPC_SPILL_DIR": str(spill)},
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    evs = events(job_dir)
+    [finished] = named(evs, "job_finished")
+    assert finished["checkpoint_step"] == finished["durable_step"] == 40, finished
+    saved = {e["step"]: e for e in named(evs, "checkpoint_saved")}
+    assert sorted(saved) == list(range(5, 41, 5)), sorted(saved)
+    assert "spilled" not in saved[5]  # the first buffer fits
+    assert all("cannot reserve" in saved[s]["spilled"] for s in range(10, 41, 5)), saved
+    assert not named(evs, "checkpoint_save_failed") and not named(evs, "checkpoint_persist_failed")
+    assert "checkpoint spilled step=10" in out and "--shm-size" in out
+    assert os.listdir(spill) == []
+    assert (ckpt_dir / "dlrover_latest.txt").read_text().strip() == "40"

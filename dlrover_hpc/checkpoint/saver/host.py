@@ -19,7 +19,7 @@ import threading
 from typing import Any
 
 from dlrover_hpc.checkpoint.api import CommitCoordinator, EventSink, FaultHook
-from dlrover_hpc.checkpoint.env import DEFAULT_SHM_DIR, current_user, segment_prefix
+from dlrover_hpc.checkpoint.env import DEFAULT_SHM_DIR, current_user, segment_prefix, spill_dir
 from dlrover_hpc.checkpoint.saver.persist_queue import Durability, SaverCore
 from dlrover_hpc.checkpoint.saver.recovery import persist_latest
 from dlrover_hpc.checkpoint.saver.replica_sender import ReplicaSender
@@ -226,13 +226,14 @@ class SaverHost:
             return {"v": VERSION, "id": request_id, "ok": False, "error": repr(exc)}
         return {"v": VERSION, "id": request_id, "ok": True, **result}
 
-    def _own_segment(self, name: str) -> str:
-        """The path of a segment a worker names; refused unless it is this job's on this node."""
+    def _own_segment(self, name: str, *, spilled: bool = False) -> str:
+        """The path of a segment a worker names; refused unless it is this job's on this node.
+        ``spilled``: a save that shared memory had no room for, in the spill directory."""
         if "/" in name or not name.startswith(self.prefix):
             raise CheckpointError(
                 f"segment {name!r} does not belong to job {self.job_id} on {self.node_name}"
             )
-        return os.path.join(self.shm_dir, name)
+        return os.path.join(spill_dir() if spilled else self.shm_dir, name)
 
     def _dispatch(self, message: Any, timeout_s: float) -> dict[str, Any]:
         if isinstance(message, Hello):
@@ -244,7 +245,8 @@ class SaverHost:
                 "shm_dir": self.shm_dir,
             }
         if isinstance(message, Saved):
-            self.core.submit(self._own_segment(message.segment), step=int(message.step))
+            path = self._own_segment(message.segment, spilled=bool(message.spilled))
+            self.core.submit(path, step=int(message.step))
             return {}
         if isinstance(message, Replicate):
             path = self._own_segment(message.segment)

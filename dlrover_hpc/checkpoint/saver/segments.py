@@ -31,7 +31,7 @@ import zlib
 from typing import Any, Protocol
 
 from dlrover_hpc.checkpoint.env import BUFFERS
-from dlrover_hpc.errors import CheckpointError
+from dlrover_hpc.errors import CheckpointError, SegmentSpaceError
 
 logger = logging.getLogger(__name__)
 
@@ -188,11 +188,15 @@ class Segment:
         try:
             os.posix_fallocate(self.fd, 0, size)
         except OSError as exc:
-            free = _free_bytes(os.path.dirname(self.path))
-            raise CheckpointError(
-                f"cannot reserve {size / 2**30:.2f} GiB of shared memory for {self.path} "
+            directory = os.path.dirname(self.path)
+            free = _free_bytes(directory)
+            raise SegmentSpaceError(
+                f"cannot reserve {size / 2**30:.2f} GiB for {self.path} "
                 f"({os.strerror(exc.errno or errno.EIO)}; {free / 2**30:.2f} GiB free in "
-                f"{os.path.dirname(self.path)}); free space there or enlarge the tmpfs"
+                f"{directory}); each rank that saves needs two such buffers there: enlarge the "
+                "tmpfs (docker/podman --shm-size, or mount -o remount,size=...), and under "
+                "Slurm ask for --mem that also covers them (shared memory counts against the "
+                "job's memory)"
             ) from exc
         self._map(size)
         return True

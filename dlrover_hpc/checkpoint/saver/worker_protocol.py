@@ -78,6 +78,7 @@ class Hello:
 class Saved:
     segment: str
     step: int
+    spilled: bool = False  # the segment is in the spill directory, not in shared memory
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

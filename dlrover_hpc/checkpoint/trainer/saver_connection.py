@@ -61,7 +61,9 @@ class SocketLink:
         self.shm_dir = str(reply["shm_dir"])
 
     def submit(self, segment_path: str, step: int) -> None:
-        self._client.request(Saved(segment=os.path.basename(segment_path), step=step))
+        name, where = os.path.basename(segment_path), os.path.dirname(segment_path)
+        spilled = os.path.realpath(where) != os.path.realpath(self.shm_dir)
+        self._client.request(Saved(segment=name, step=step, spilled=spilled))
 
     def replicate(self, segment_path: str, step: int, count: int) -> None:
         name = os.path.basename(segment_path)

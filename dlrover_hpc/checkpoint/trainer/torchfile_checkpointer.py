@@ -10,8 +10,10 @@ dict (nested dicts and lists, tensors, Python scalars, optimizer state) as
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import math
+import os
 import posixpath
 import time
 from typing import Any
@@ -20,7 +22,7 @@ import torch
 
 from dlrover_hpc import progress
 from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
-from dlrover_hpc.checkpoint.env import WorkerEnv
+from dlrover_hpc.checkpoint.env import WorkerEnv, spill_dir
 from dlrover_hpc.checkpoint.formats.torchfile import (
     ARCHIVE,
     MANIFEST,
@@ -33,7 +35,7 @@ from dlrover_hpc.checkpoint.formats.torchfile import (
 from dlrover_hpc.checkpoint.formats.torchfile_reader import views_from_file
 from dlrover_hpc.checkpoint.saver.commit_records import CommitRecord
 from dlrover_hpc.checkpoint.saver.part_files import file_path
-from dlrover_hpc.checkpoint.saver.segments import HEADER_SIZE, Segment
+from dlrover_hpc.checkpoint.saver.segments import HEADER_SIZE, Segment, needed_size
 from dlrover_hpc.checkpoint.trainer.checkpointer import CheckpointerBase
 from dlrover_hpc.checkpoint.trainer.cuda import DeviceSnapshot, cuda_device, target_device
 from dlrover_hpc.checkpoint.trainer.restore_agreement import Load, Source
@@ -43,7 +45,7 @@ from dlrover_hpc.checkpoint.trainer.restored_state import (
     views_from_segment,
 )
 from dlrover_hpc.checkpoint.trainer.saver_connection import SaverLink
-from dlrover_hpc.errors import CheckpointError
+from dlrover_hpc.errors import CheckpointError, SegmentSpaceError
 from dlrover_hpc.events import EventName
 
 logger = logging.getLogger(__name__)
@@ -88,6 +90,7 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
         )
         self.weights_only = weights_only
         self._layout: TorchFileLayout | None = None
+        self._spilled = False  # said once that saves spill (shared memory has no room)
 
     @abc.abstractmethod
     def _file_name(self) -> str:
@@ -120,10 +123,76 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
             return True
         try:
             saved = self._save(step, state_dict, path, storage_type, t0)
+        except SegmentSpaceError as exc:
+            saved = self._spill_or_fail(step, state_dict, path, storage_type, t0, exc)
         except CheckpointError as exc:
             self._save_failed(step, exc)
             saved = False
         return self._stop_if_asked(step, saved)
+
+    def _spill_or_fail(
+        self,
+        step: int,
+        state: Any,
+        path: str,
+        storage_type: StorageType,
+        t0: float,
+        why: SegmentSpaceError,
+    ) -> bool:
+        """Shared memory has no room for this save.  A DISK save goes to storage anyway,
+        through a file in the spill directory (a disk: :func:`spill_dir`) that the saver
+        persists like a segment; a MEMORY save is skipped.  Either way training goes on."""
+        engine = self._engine
+        if storage_type != StorageType.DISK or not engine.persists:
+            self._save_failed(step, why)
+            return False
+        spill = os.path.join(spill_dir(), os.path.basename(engine.segment_path(0)) + "-spill")
+        try:
+            pkl, tensors = pickle_state(state)
+            layout, tail, image_len, meta = self._image(step, pkl, tensors, path, storage_type)
+            seg = Segment(spill, writable=True)
+        except (OSError, CheckpointError) as exc:
+            self._save_failed(step, f"{why}; spilling to {spill_dir()} failed too: {exc}")
+            return False
+        try:
+            seg.lock(exclusive=True)
+            seg.ensure_size(needed_size(image_len, len(meta) + 4096))
+            seq = seg.begin_write()
+            engine.copier.copy(list(zip(self._views(seg, layout), tensors, strict=True)))
+            assert seg.mm is not None
+            seg.mm[HEADER_SIZE + tail.offset : HEADER_SIZE + image_len] = tail.data
+            seg.finish_write(seq=seq, step=step, image_len=image_len, meta=meta)
+            seg.unlock()
+            engine.last_disk_step = step
+            engine.link.submit(seg.path, step)  # the saver maps it: the name can go now
+        except (OSError, CheckpointError) as exc:
+            self._save_failed(step, f"{why}; spilling to {spill} failed too: {exc}")
+            return False
+        finally:
+            seg.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(spill)
+        blocking = time.perf_counter() - t0
+        if not self._spilled:
+            self._spilled = True
+            logger.warning(
+                "checkpoint spilled step=%d seconds=%.3f: %s. This DISK save went to storage "
+                "through %s instead (set DLROVER_HPC_SPILL_DIR to choose where); MEMORY saves "
+                "are skipped until shared memory has room",
+                step,
+                blocking,
+                why,
+                spill_dir(),
+            )
+        engine.emit(
+            EventName.CHECKPOINT_SAVED,
+            step=step,
+            storage=storage_type.value,
+            blocking_s=round(blocking, 6),
+            total_s=round(blocking, 6),
+            spilled=str(why),
+        )
+        return True
 
     def _save(self, step: int, state: Any, path: str, storage_type: StorageType, t0: float) -> bool:
         engine = self._engine
@@ -181,26 +250,7 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
         """Lays out the archive and fills a segment with it; with a snapshot, `tensors` holds
         its views and this runs on the drain thread."""
         engine = self._engine
-        layout = self._layout
-        if layout is None or layout.signature != tensor_signature(tensors):
-            layout = self._layout = TorchFileLayout(tensors)
-        manifest = manifest_bytes(
-            step=step, token=engine.token, rank=engine.env.rank, kind=self.kind.value
-        )
-        tail = layout.tail(pkl, {MANIFEST: manifest})
-        image_len = tail.offset + len(tail.data)
-        pkl_at = tail.records[f"{ARCHIVE}/data.pkl"][0]
-        meta = engine.meta_bytes(
-            step=step,
-            path=path,
-            storage_type=storage_type,
-            files=[[self._file_name(), 0, image_len]],
-            crc=tail.crc_patches,
-            restore={
-                "pickle": [pkl_at, len(pkl)],
-                "slots": {s.key: s.offset for s in layout.slots},
-            },
-        )
+        layout, tail, image_len, meta = self._image(step, pkl, tensors, path, storage_type)
         seg, waited = engine.acquire(image_len, len(meta) + 4096, device)
         try:
             seq = seg.begin_write()
@@ -227,6 +277,38 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
             total_s=total,
             device=device,
         )
+
+    def _image(
+        self,
+        step: int,
+        pkl: bytes,
+        tensors: list[torch.Tensor],
+        path: str,
+        storage_type: StorageType,
+    ) -> tuple[TorchFileLayout, Any, int, bytes]:
+        """The archive's layout, its tail, the image's length and the segment's metadata."""
+        engine = self._engine
+        layout = self._layout
+        if layout is None or layout.signature != tensor_signature(tensors):
+            layout = self._layout = TorchFileLayout(tensors)
+        manifest = manifest_bytes(
+            step=step, token=engine.token, rank=engine.env.rank, kind=self.kind.value
+        )
+        tail = layout.tail(pkl, {MANIFEST: manifest})
+        image_len = tail.offset + len(tail.data)
+        pkl_at = tail.records[f"{ARCHIVE}/data.pkl"][0]
+        meta = engine.meta_bytes(
+            step=step,
+            path=path,
+            storage_type=storage_type,
+            files=[[self._file_name(), 0, image_len]],
+            crc=tail.crc_patches,
+            restore={
+                "pickle": [pkl_at, len(pkl)],
+                "slots": {s.key: s.offset for s in layout.slots},
+            },
+        )
+        return layout, tail, image_len, meta
 
     @staticmethod
     def _views(seg: Segment, layout: TorchFileLayout) -> list[torch.Tensor]:
