@@ -295,7 +295,9 @@ class MasterServer:
         wire.write_frame(writer, wire.Frame(type="challenge", body={"nonce": nonce}))
         try:
             await writer.drain()
-            answer = await asyncio.wait_for(wire.read_frame(reader), AUTH_TIMEOUT_S)
+            answer = await asyncio.wait_for(
+                wire.read_frame(reader, limit=wire.MAX_AUTH_FRAME), AUTH_TIMEOUT_S
+            )
         except (TimeoutError, EOFError, ProtocolError, ConnectionError) as exc:
             log.warning("connection refused peer=%s reason=no valid auth answer (%s)", peer, exc)
             return False

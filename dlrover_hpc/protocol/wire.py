@@ -24,6 +24,9 @@ from dlrover_hpc.errors import AuthError, ProtocolError
 
 VERSION = 1
 MAX_FRAME = 16 * 1024 * 1024
+#: the largest frame a peer may send before it is authenticated (its ``auth`` answer): an
+#: unknown peer cannot make the master hold more than this per connection
+MAX_AUTH_FRAME = 4096
 _HEADER = struct.Struct(">I")
 _AUTH_CONTEXT = b"dlrover-hpc/v1"
 
@@ -48,8 +51,8 @@ def encode(frame: Frame) -> bytes:
 def decode(payload: bytes) -> Frame:
     try:
         obj = json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"frame is not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." nested too deep
+        raise ProtocolError(f"frame is not JSON: {type(exc).__name__}: {exc}"[:300]) from None
     if not isinstance(obj, dict) or obj.get("v") != VERSION:
         version = obj.get("v") if isinstance(obj, dict) else None
         raise ProtocolError(f"unsupported protocol version {version!r}; this side speaks {VERSION}")
@@ -61,7 +64,7 @@ def decode(payload: bytes) -> Frame:
     return Frame(type=kind, id=fid, body=body)
 
 
-async def read_frame(reader: asyncio.StreamReader) -> Frame:
+async def read_frame(reader: asyncio.StreamReader, *, limit: int = MAX_FRAME) -> Frame:
     try:
         header = await reader.readexactly(_HEADER.size)
     except asyncio.IncompleteReadError as exc:
@@ -69,8 +72,8 @@ async def read_frame(reader: asyncio.StreamReader) -> Frame:
             raise EOFError("connection closed") from None
         raise ProtocolError("connection closed inside a frame header") from None
     (length,) = _HEADER.unpack(header)
-    if length > MAX_FRAME:
-        raise ProtocolError(f"peer announced a {length} byte frame (limit {MAX_FRAME})")
+    if length > limit:
+        raise ProtocolError(f"peer announced a {length} byte frame (limit {limit})")
     try:
         payload = await reader.readexactly(length)
     except asyncio.IncompleteReadError:

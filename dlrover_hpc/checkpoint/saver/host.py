@@ -199,7 +199,10 @@ class SaverHost:
             while True:
                 try:
                     frame = recv_frame(conn)
-                except (OSError, CheckpointError) as exc:
+                except CheckpointError as exc:  # a bad frame: one line, then close
+                    logger.warning("checkpoint saver_conn_refused error=%s", exc)
+                    return
+                except OSError as exc:
                     logger.debug("checkpoint saver_conn_closed error=%s", exc)
                     return
                 if frame is None:
@@ -219,7 +222,9 @@ class SaverHost:
         try:
             request_id, message, timeout_s = decode_request(frame)
             result = self._dispatch(message, timeout_s)
-        except CheckpointError as exc:
+        except (CheckpointError, OSError, ValueError, TypeError) as exc:
+            # a request that cannot be served (no such segment, a bad field): answered
+            logger.info("checkpoint saver_request_refused type=%s error=%s", frame.get("type"), exc)
             return {"v": VERSION, "id": request_id, "ok": False, "error": str(exc)}
         except Exception as exc:  # request boundary: answer, log once
             logger.exception("checkpoint saver_request_failed type=%s", frame.get("type"))

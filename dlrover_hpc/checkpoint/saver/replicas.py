@@ -35,6 +35,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from typing import Any, TypeGuard
 
 from dlrover_hpc.checkpoint.api import EventSink
@@ -60,6 +61,8 @@ _CHUNK = 8 << 20
 SLACK_S = 30.0
 #: seconds a new connection has to answer the challenge
 AUTH_TIMEOUT_S = 30.0
+#: connections served at once (every peer node keeps one); more are closed at once
+MAX_CONNECTIONS = 256
 #: seconds without a byte in the middle of a copy before the receiver gives it up
 RECV_IDLE_S = 60.0
 
@@ -106,7 +109,10 @@ def recv_json(sock: socket.socket) -> dict[str, Any] | None:
     body = recv_exact(sock, length) if length <= MAX_FRAME else None
     if body is None:
         raise CheckpointError(f"bad frame of {length} bytes")
-    message = json.loads(body)
+    try:
+        message = json.loads(body)  # ValueError: not JSON (the caller answers it)
+    except RecursionError:  # "[[[[...": nested too deep for the parser
+        raise CheckpointError("a frame nested too deeply") from None
     if not isinstance(message, dict):
         raise CheckpointError("a frame must hold a JSON object")
     return message
@@ -139,6 +145,7 @@ class ReplicaServer:
         self._listener: socket.socket | None = None
         self._accepter: threading.Thread | None = None
         self._conns: dict[socket.socket, threading.Thread] = {}
+        self._said_full = -1e9  # when the connection cap was last logged (monotonic)
         self._tmps: set[str] = set()  # copies being received, removed by close()
         self._lock = threading.Lock()
         self._admit = threading.Lock()  # one memory check and reservation at a time
@@ -189,7 +196,21 @@ class ReplicaServer:
                 target=self._serve, args=(conn, peer), name="ckpt-replica-conn", daemon=True
             )
             with self._lock:
-                self._conns[conn] = thread
+                full = len(self._conns) >= MAX_CONNECTIONS
+                if not full:
+                    self._conns[conn] = thread
+            if full:  # a flood of connections: no thread (and no memory) for them
+                conn.close()
+                now = time.monotonic()
+                if now - self._said_full >= 10.0:
+                    self._said_full = now
+                    logger.warning(
+                        "checkpoint replica_refused peer=%s reason=%d connections open "
+                        "(said every 10 s)",
+                        peer,
+                        MAX_CONNECTIONS,
+                    )
+                continue
             thread.start()
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
@@ -207,6 +228,9 @@ class ReplicaServer:
                 try:
                     header = recv_json(conn)
                 except (ValueError, CheckpointError) as exc:
+                    logger.info(
+                        "checkpoint replica_refused peer=%s reason=bad frame (%s)", peer, exc
+                    )
                     send_json(conn, {"ok": False, "error": f"bad frame: {exc}"})
                     return
                 if header is None or not self._receive(conn, header):
@@ -258,6 +282,13 @@ class ReplicaServer:
     def _reserve(self, final: str, size: int, origin: str) -> tuple[int, str]:
         """A new temporary file beside `final` with `size` bytes reserved; raises
         CheckpointError (the reason to send back) when the space is not there."""
+        free = _free_bytes(self.shm_dir)
+        if size > free:  # refused before a byte is taken: a tmpfs fills while it tries
+            raise CheckpointError(
+                f"no room for a {size / 2**20:.1f} MiB copy from {origin} in {self.shm_dir} on "
+                f"{self.node_name} ({free / 2**20:.1f} MiB free); lower replica_count or "
+                "enlarge the tmpfs"
+            )
         tmp = f"{final}.{secrets.token_hex(4)}{COPY_TMP}"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with self._lock:
@@ -293,6 +324,7 @@ class ReplicaServer:
                     why = str(exc)
         send_json(conn, {"ok": why is None, **({"error": why} if why else {})})
         if why is not None:
+            logger.info("checkpoint replica_refused origin=%s reason=%s", _origin(header), why)
             return False
         try:
             trailer, got = _fill(conn, fd, header["size"])

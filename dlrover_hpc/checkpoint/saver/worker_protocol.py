@@ -25,6 +25,8 @@ from dlrover_hpc.errors import CheckpointError
 
 VERSION = 1
 MAX_FRAME = 1 << 20
+#: the longest wait a request may ask for (a commit of a large checkpoint on a slow disk)
+MAX_TIMEOUT_S = 24 * 3600.0
 _LEN = struct.Struct(">I")
 
 
@@ -48,8 +50,8 @@ def recv_frame(sock: socket.socket) -> dict[str, Any] | None:
         raise CheckpointError("connection closed in the middle of a frame")
     try:
         message = json.loads(body)
-    except ValueError as exc:
-        raise CheckpointError(f"malformed JSON frame: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." nested too deep
+        raise CheckpointError(f"malformed JSON frame: {type(exc).__name__}: {exc}") from None
     if not isinstance(message, dict):
         raise CheckpointError("a frame must hold a JSON object")
     return message
@@ -123,7 +125,10 @@ def decode_request(frame: dict[str, Any]) -> tuple[int, Any, float]:
         message = cls(**{k: v for k, v in frame.items() if k in names})
     except TypeError as exc:
         raise CheckpointError(f"bad {kind} request: {exc}") from exc
-    return int(frame.get("id", 0)), message, float(frame.get("timeout_s", 30.0))
+    timeout_s = float(frame.get("timeout_s", 30.0))
+    if not 0.0 <= timeout_s <= MAX_TIMEOUT_S:  # NaN too
+        raise CheckpointError(f"timeout_s={timeout_s!r}: expected 0 to {MAX_TIMEOUT_S:g} s")
+    return int(frame.get("id", 0)), message, timeout_s
 
 
 def type_of(message: Any) -> str:
