@@ -381,6 +381,34 @@ def test_a_disk_save_that_shared_memory_has_no_room_for_spills_and_is_persisted(
         _umount(shm)
 
 
+def test_persisting_resumes_by_itself_when_another_program_frees_the_disk(
+    tmp_path: Path, job: str
+) -> None:
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, "2m")
+    events = ListEventSink()
+    ckpt = None
+    try:
+        ckpt = DdpCheckpointer(str(disk / "ck"), env=_env(job), events=events)
+        state = lambda step: filled_state(step, numel=16 << 10)  # noqa: E731 (512 KiB)
+        assert ckpt.save_checkpoint(1, state(1)) and ckpt.wait_latest_checkpoint(30)
+        filler = disk / "filler"
+        with contextlib.suppress(OSError):  # another program takes every byte left
+            filler.write_bytes(bytes(2 << 20))
+        assert ckpt.save_checkpoint(2, state(2))  # in memory; its persist fails
+        assert not ckpt.wait_latest_checkpoint(30)
+        assert [e["step"] for e in events.named("checkpoint_persist_failed")] == [2]
+        check_filled(ckpt.load_checkpoint(memory=False), 1)  # intact and readable
+        filler.unlink()
+        assert ckpt.save_checkpoint(3, state(3)) and ckpt.wait_latest_checkpoint(30)
+        check_filled(ckpt.load_checkpoint(memory=False), 3)
+        assert (disk / "ck" / "dlrover_latest.txt").read_text() == "3\n"
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+        _umount(disk)
+
+
 def test_full_disk_warns_keeps_the_previous_checkpoint_and_leaves_no_temp_files(
     tmp_path: Path, job: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 SAY_EVERY_S = 5.0  # a persist that outlasts this on close says what is left, this often
 
 
+#: Checkpoint directories whose storage is kept open (a worker may name any in a request).
+MAX_STORAGES = 16
 #: Warn while the checkpoint storage has room for fewer than this many more checkpoints.
 LOW_SPACE_CHECKPOINTS = 2
 
@@ -199,10 +201,12 @@ class SaverCore:
 
     def _storage(self, ckpt_dir: str) -> Storage:
         with self._cond:
-            storage = self._storages.get(ckpt_dir)
+            storage = self._storages.pop(ckpt_dir, None)
             if storage is None:
                 storage = Storage(ckpt_dir, threads=self._io_threads, drop_cache=self._drop_cache)
-                self._storages[ckpt_dir] = storage
+                while len(self._storages) >= MAX_STORAGES:  # the least recently used goes
+                    self._storages.pop(next(iter(self._storages))).close()
+            self._storages[ckpt_dir] = storage  # the newest use last
             return storage
 
     def _persist_batch(self, batch: list[_Request]) -> None:
