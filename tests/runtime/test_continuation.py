@@ -45,7 +45,21 @@ def _requeued_and_released(job: str, job_dir: Path) -> None:
         return state in ("PENDING", "RUNNING") and job_fields(job).get("Restarts") == "1"
 
     wait_for(pending, timeout_s=60, what=f"job {job} to be requeued", interval_s=0.5)
-    subprocess.run(["scontrol", "update", f"jobid={job}", "Requeue=0"], timeout=10, check=True)
+
+    def requeue_off() -> bool:
+        # A requeued job shows PENDING while Slurm still completes its last run's steps, and
+        # until then it refuses updates ("Job has already finished", seen once in a clean-clone
+        # run): ask again until it takes it. A job that really ended fails at the deadline.
+        done = subprocess.run(
+            ["scontrol", "update", f"jobid={job}", "Requeue=0"],
+            timeout=10,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0 or "already finished" in done.stderr, done.stderr
+        return done.returncode == 0
+
+    wait_for(requeue_off, timeout_s=60, what=f"job {job} to take Requeue=0", interval_s=0.5)
     wait_for(
         lambda: job_fields(job).get("JobState") == "RUNNING",
         timeout_s=60,
