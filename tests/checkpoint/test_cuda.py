@@ -200,8 +200,11 @@ def test_snapshot_holds_the_values_of_the_save_not_later_updates(tmp_path: Path,
             assert step == 2
             for key, value in expected.items():
                 assert torch.equal(held[key], value.cpu()), key
-            for t in state.values():
-                t.sub_(1)
+            for key, t in state.items():
+                # back to the saved values exactly: (x + 1) - 1 is not x in floating point,
+                # which made the third round compare against values never saved (seen on an
+                # H200: differences of one unit in the last place, with the snapshot and without)
+                t.copy_(expected[key])
     finally:
         ck.close(remove_segments=True)
 
