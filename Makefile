@@ -14,11 +14,9 @@ PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup --durations=10
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch 2.13.0 CPU build (on local disk here); pyproject keeps a range for users.
-	# --no-compile: byte-compiling every module of torch took 15-30 s of the 2 cores here;
-	# Python compiles (and caches) only the modules that are imported, when they are.
-	$(PY) -m pip install -q --no-compile torch==2.13.0
-	$(PY) -m pip install -q --no-compile -e '.[test]'
+	# torch 2.13.0 CPU build (on local disk here); pyproject keeps a range for users
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
 venv: $(VENV)/.installed

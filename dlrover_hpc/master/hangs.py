@@ -265,9 +265,8 @@ class HangWatch:
         self.straggler_factor = max(self.straggler_factor, msg.straggler_factor)
         self.exclude_straggler |= msg.exclude_straggler
 
-    def heartbeat(
-        self, rec_node: str, progress: Sequence[m.RankProgress], *, rtt_s: float = 0.0
-    ) -> None:
+    def _new_round(self) -> None:
+        """Forget the ended round's progress once the job runs another one."""
         if self.job.round != self._round:
             self._seen.clear()
             self._slow_since.clear()
@@ -278,6 +277,11 @@ class HangWatch:
             self._reported_links.clear()
             self._round = self.job.round
             self._round_began = 0.0
+
+    def heartbeat(
+        self, rec_node: str, progress: Sequence[m.RankProgress], *, rtt_s: float = 0.0
+    ) -> None:
+        self._new_round()
         now = self.job.clock()
         if self._round_began == 0.0:
             self._round_began = now
@@ -306,6 +310,9 @@ class HangWatch:
         job = self.job
         if job.phase is not Phase.RUNNING or self._busy:
             return
+        # Heartbeats of the ended round's workers can still come while the next one forms (a
+        # stopped rank among them); once it runs, what they said is not about its workers.
+        self._new_round()
         now = job.clock()
         world = sum(n.nproc for n in job.participants())
         seen = [(s.progress, s.at) for s in self._seen.values()]

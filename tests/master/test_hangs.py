@@ -217,6 +217,31 @@ def test_a_hang_dumps_every_stack_names_the_stopped_rank_and_restarts(tmp_path: 
     run(body)
 
 
+def test_the_ended_rounds_heartbeats_raise_no_second_hang_in_the_next(tmp_path: Path) -> None:
+    """Heartbeats of the hung round's workers still come while the next round forms; once it
+    runs, the watch must not judge its workers by them (seen in a clean-clone run: a second
+    hang_detected 0.4 s into the new round, the stale stopped rank its cause)."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2", max_restarts=3)
+        agents = h.start("n1", "n2")
+        watch = _watch(h, tmp_path)
+        _beat(h, watch, agents, stalled=21.0)
+        watch.check()
+        await asyncio.wait_for(watch._task, 5)  # type: ignore[arg-type]
+        assert h.job.phase is Phase.RESTARTING and len(h.events("hang_detected")) == 1
+        _beat(h, watch, agents, stalled=23.0)  # the old round's workers, still reported
+        for agent in agents:
+            h.wait(agent, after=1)
+        h.settle(1.5)
+        assert (h.job.phase, h.job.round) == (Phase.RUNNING, 2)
+        watch.check()
+        assert watch._task is None or watch._task.done()
+        assert len(h.events("hang_detected")) == 1
+
+    run(body)
+
+
 def test_a_second_hang_on_the_same_node_excludes_it(tmp_path: Path) -> None:
     async def body() -> None:
         h = Harness(tmp_path, nnodes="1:3", max_restarts=3)
