@@ -102,12 +102,15 @@ def run_probe_subprocess(
         _kill_session(proc)
         out, err = _drain(proc)
         logger.warning("netcheck_probe_killed pid=%d timeout_s=%g", proc.pid, timeout_s)
+        killed = f"did not finish within {timeout_s:g} s and was killed (pid {proc.pid})"
+        reason = _reported_reason(err)
         return ProbeResult(
             ok=False,
-            error=(
-                f"probe did not finish within {timeout_s:g} s and was killed (pid {proc.pid})"
-                f"{_stderr_note(err)}"
-            ),
+            # the probe's own reason when it said one before the kill (on a loaded machine it
+            # may fail in time and still not exit in time)
+            error=f"{reason} (then the probe {killed})"
+            if reason
+            else f"probe {killed}{_stderr_note(err)}",
             elapsed_s=time.monotonic() - started,
         )
     return _parse_child(out, err, returncode=proc.returncode, elapsed_s=time.monotonic() - started)
@@ -153,6 +156,14 @@ def _parse_child(out: str, err: str, *, returncode: int, elapsed_s: float) -> Pr
         return ProbeResult.from_json(line)
     except (NetcheckError, TypeError) as e:
         return ProbeResult(ok=False, error=f"unreadable probe result: {e}", elapsed_s=elapsed_s)
+
+
+def _reported_reason(err: str) -> str:
+    """The reason a probe logged for its failure (``netcheck_probe_failed ... reason=``)."""
+    for line in reversed(err.splitlines()):
+        if "netcheck_probe_failed" in line and " reason=" in line:
+            return line.split(" reason=", 1)[1].strip()
+    return ""
 
 
 def _stderr_note(err: str) -> str:

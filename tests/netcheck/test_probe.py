@@ -202,3 +202,17 @@ def test_result_json_round_trip_and_rejects_junk() -> None:
         ProbeResult.from_json("Traceback (most recent call last):")
     with pytest.raises(NetcheckError, match=r"unknown keys \['bogus'\]"):
         ProbeResult.from_json('{"ok": true, "bogus": 1}')
+
+
+def test_a_killed_probe_reports_the_reason_it_logged_before_the_kill() -> None:
+    """On a loaded machine a probe can fail in time and still not exit in time (seen in a
+    clean-clone run): its own reason, from its log line, is the error, not the kill alone."""
+    from dlrover_hpc.netcheck.launch import _reported_reason
+
+    err = (
+        "2026-11-26 06:14:02,118 WARNING netcheck_probe_failed rank=1 store=127.0.0.1:58251 "
+        "reason=store: DistNetworkError: The client socket has timed out after 4020ms while "
+        "trying to connect to (127.0.0.1, 58251).\n"
+    )
+    assert _reported_reason(err).startswith("store: DistNetworkError: The client socket")
+    assert _reported_reason("some other line\n") == ""
