@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import socket
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +39,7 @@ COLLECTIVE_ITERS = 3
 # Share of the remaining time given to the store connection: a TCPStore client may take about
 # twice its timeout (one retry after the timeout), and the collectives still need time after it.
 CONNECT_SHARE = 0.4
+LISTEN_POLL_S = 0.1  # a client's retry interval while the store host is not listening yet
 
 
 class Deadline:
@@ -263,6 +265,10 @@ def _sync(torch: Any, device: str) -> None:
 def _connect_store(
     dist: Any, *, host: str, port: int, world_size: int, is_host: bool, timeout_s: float
 ) -> Any:
+    if not is_host:
+        started = time.monotonic()
+        _await_listener(host, port, timeout_s)
+        timeout_s = max(timeout_s - (time.monotonic() - started), 0.05)
     return dist.TCPStore(
         host,
         port,
@@ -271,6 +277,29 @@ def _connect_store(
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=True,
     )
+
+
+def _await_listener(host: str, port: int, timeout_s: float) -> None:
+    """A client's wait, to its deadline, for the store host to listen.
+
+    TCPStore's own client retries past its timeout (2.3 times it here: a 4 s timeout failed
+    after 9 s) and prints a C++ stack per try, so on a loaded machine the probe was killed before
+    it could say why (cc22). A plain connect loop keeps the deadline; TCPStore then connects at
+    once.
+    """
+    end = time.monotonic() + timeout_s
+    while True:
+        left = end - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=min(max(left, 0.05), 1.0)):
+                return
+        except OSError as e:
+            if time.monotonic() + LISTEN_POLL_S >= end:
+                why = e.strerror or type(e).__name__
+                raise NetcheckError(
+                    f"no store host listens at {host}:{port} after {timeout_s:.1f} s ({why})"
+                ) from None
+            time.sleep(LISTEN_POLL_S)
 
 
 def _finish(store: Any, *, group_size: int, is_host: bool, deadline: Deadline) -> None:
