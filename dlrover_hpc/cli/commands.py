@@ -9,6 +9,9 @@ import os
 import socket
 
 from dlrover_hpc import topology
+from dlrover_hpc.cli import site_config
+from dlrover_hpc.cli.parser import Parser
+from dlrover_hpc.cli.site_config import Defaults
 from dlrover_hpc.config import (
     DEFAULT_LINK_TIMEOUT_S,
     DrainMode,
@@ -21,69 +24,72 @@ from dlrover_hpc.errors import ConfigError, DlroverHpcError, UsageError
 from dlrover_hpc.jobdir import default_job_dir
 
 
-def register_master(sub: argparse._SubParsersAction) -> None:
+def register_master(sub: argparse._SubParsersAction, defaults: Defaults | None = None) -> None:
+    """``defaults``: the flags' defaults (environment only when None)."""
+    defaults = defaults or Defaults("master")
     p = sub.add_parser(
         "master",
         help="run the job master (step 0 of a job)",
         description="Run the job master: rendezvous, node ranks in topology order, failure "
         "policy, network checks, drain/quarantine and replacements. Every flag can also come "
-        "from DLROVER_HPC_<FLAG> (e.g. DLROVER_HPC_NNODES=4:4).",
+        "from DLROVER_HPC_<FLAG> (e.g. DLROVER_HPC_NNODES=4:4), and from the [master] section "
+        "of the TOML files (see 'dlrover-hpc config show master').",
     )
     p.add_argument(
         "--host",
-        default=env_default("host", "0.0.0.0"),
+        default=defaults.value("host", "0.0.0.0"),
         help="address to listen on (default 0.0.0.0)",
     )
     p.add_argument(
         "--port",
         type=int,
-        default=env_default("port", "0") or "0",
+        default=defaults.value("port", "0"),
         help="port to listen on; 0 picks a free one (default 0)",
     )
     p.add_argument(
         "--nnodes",
-        default=env_default("nnodes", "1:1"),
+        default=defaults.value("nnodes", "1:1"),
         help="N or MIN:MAX nodes in the training group",
     )
     p.add_argument(
         "--node-unit",
         type=int,
-        default=env_default("node_unit", "1") or "1",
+        default=defaults.value("node_unit", "1"),
         help="admit nodes only in multiples of N",
     )
     p.add_argument(
         "--topology",
-        default=env_default("topology", None),
+        default=defaults.value("topology", None),
         help="switch topology file (Slurm topology.conf or ASW PSW HOST list)",
     )
     p.add_argument(
         "--drain",
-        default=env_default("drain", "scontrol"),
+        default=defaults.value("drain", "scontrol"),
         choices=[m.value for m in DrainMode],
         help="what to do with a faulty node (default scontrol; falls back to "
         "quarantine when Slurm refuses)",
     )
     p.add_argument(
         "--job-dir",
-        default=env_default("job_dir", None),
+        default=defaults.value("job_dir", None),
         help="job directory (default $SLURM_SUBMIT_DIR/.dlrover-hpc/$SLURM_JOB_ID)",
     )
     p.add_argument(
         "--max-restarts",
         type=int,
-        default=env_default("max_restarts", "3") or "3",
+        default=defaults.value("max_restarts", "3"),
         help="worker-group restarts allowed for the whole job (default 3)",
     )
     p.add_argument(
         "--heartbeat-timeout",
         type=float,
-        default=env_default("heartbeat_timeout", "15") or "15",
+        default=defaults.value("heartbeat_timeout", "15"),
         help="seconds without a heartbeat before an agent counts as lost",
     )
     p.add_argument(
         "--link-timeout",
         type=float,
-        default=env_default("link_timeout", f"{DEFAULT_LINK_TIMEOUT_S:g}"),
+        default=defaults.value("link_timeout", f"{DEFAULT_LINK_TIMEOUT_S:g}"),
         help="seconds of silence before an agent's connection fails (TCP keepalive and "
         "TCP_USER_TIMEOUT), so a node whose link is cut is lost within seconds, not after "
         f"--heartbeat-timeout (default {DEFAULT_LINK_TIMEOUT_S:g})",
@@ -91,64 +97,89 @@ def register_master(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--last-call",
         type=float,
-        default=env_default("last_call", "3") or "3",
+        default=defaults.value("last_call", "3"),
         help="seconds to wait for more nodes once MIN have joined (default 3)",
     )
     p.add_argument(
         "--netcheck-timeout",
         type=float,
-        default=env_default("netcheck_timeout", "30") or "30",
+        default=defaults.value("netcheck_timeout", "30"),
         help="seconds a network-check probe may take before its group counts as failed",
     )
     p.add_argument(
         "--replacement-sbatch",
-        default=env_default("replacement_sbatch", None),
+        default=defaults.value("replacement_sbatch", None),
         help="sbatch template of replacement jobs (sbatch/replacement.sbatch; train.sbatch "
         "sets it); 'off' disables replacement jobs",
     )
     p.add_argument(
         "--min-nodes-timeout",
         type=float,
-        default=env_default("min_nodes_timeout", "300") or "300",
+        default=defaults.value("min_nodes_timeout", "300"),
         help="seconds below MIN nodes before the job is requeued (default 300)",
     )
     p.add_argument(
         "--hang-timeout",
-        default=env_default("master_hang_timeout", "0") or "0",
+        default=defaults.value("hang_timeout", "0", env="DLROVER_HPC_MASTER_HANG_TIMEOUT"),
         help="auto (learned from the step times), seconds with no progress on any rank before "
-        "the stacks are dumped and the workers restart (default 0: the agents' --hang-timeout)",
+        "the stacks are dumped and the workers restart (default 0: the agents' --hang-timeout; "
+        "$DLROVER_HPC_MASTER_HANG_TIMEOUT)",
     )
     p.add_argument(
         "--metrics-port",
         type=int,
-        default=env_default("metrics_port", "0") or "0",
+        default=defaults.value("metrics_port", "0"),
         help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off; also "
         "$DLROVER_HPC_METRICS_PORT)",
     )
     p.add_argument(
         "--requeue",
         action=argparse.BooleanOptionalAction,
-        default=(env_default("requeue", "1") or "1") not in ("0", "false", "no"),
+        default=defaults.switch("requeue", True),
         help="under Slurm, requeue the job when it stays below MIN nodes (default on)",
     )
     p.add_argument(
         "--max-continuations",
         type=int,
-        default=env_default("max_continuations", "5") or "5",
+        default=defaults.value("max_continuations", "5"),
         help="at a time limit or preemption, save and continue the job in a new run "
         "(requeue, else resubmission) at most this many times (default 5; 0: never)",
     )
     p.add_argument(
         "--stop-lead",
         type=float,
-        default=env_default("stop_lead", "90") or "90",
+        default=defaults.value("stop_lead", "90"),
         help="seconds before the time limit at which the job saves and stops on its own, "
         "when no --signal came first (default 90; 0: off)",
     )
-    p.set_defaults(func=_master)
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="TOML file of flag defaults ([master] section), over the user's and the site's "
+        f"(default ${site_config.CONFIG_ENV}); see 'dlrover-hpc config show'",
+    )
+    # origins: where each default came from, for error messages
+    p.set_defaults(func=_master, origins=defaults.origins)
+
+
+def master_parser(defaults: Defaults | None = None) -> argparse.ArgumentParser:
+    """The ``master`` subcommand's parser on its own (its flags, for the TOML files)."""
+    sub = Parser(prog="dlrover-hpc", allow_abbrev=False).add_subparsers(dest="command")
+    register_master(sub, defaults)
+    return sub.choices["master"]
 
 
 def master_config(args: argparse.Namespace) -> MasterConfig:
+    """Parsed flags as a :class:`MasterConfig`; a ConfigError names the flag, and the file and
+    line or the variable its value came from."""
+    try:
+        return _master_config(args)
+    except ConfigError as exc:
+        raise ConfigError(site_config.attribute(str(exc), args)) from None
+
+
+def _master_config(args: argparse.Namespace) -> MasterConfig:
     try:
         drain = DrainMode(args.drain)  # a default from DLROVER_HPC_DRAIN skips argparse's check
     except ValueError:

@@ -25,16 +25,18 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from dlrover_hpc.cli import run_args
 from dlrover_hpc.cli.commands import master_config, register_master
 from dlrover_hpc.config import DrainMode, MasterConfig, NodeRange
 from dlrover_hpc.errors import ConfigError, UsageError
 from dlrover_hpc.ssh.hostfile import load_hostfile
-from dlrover_hpc.ssh.launcher import LaunchConfig, Launcher
 from dlrover_hpc.ssh.plan import RunArgs, drop_launcher_flags
-from dlrover_hpc.ssh.session import SshOptions
+
+if TYPE_CHECKING:
+    # asyncssh and the master's server: half a second of every dlrover-hpc command's start
+    from dlrover_hpc.ssh.launcher import LaunchConfig
 
 # Forwarded to the agents (through the helper's stdin, never on a command line).
 FORWARD_PREFIXES = ("DLROVER_HPC_", "NCCL_", "GLOO_", "TORCH_", "OMP_", "CUDA_", "PYTHONPATH")
@@ -182,6 +184,9 @@ def _check_files(key: str | None, known_hosts: str | None, ssh_config: str | Non
 
 
 def launch_config(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> LaunchConfig:
+    from dlrover_hpc.ssh.launcher import LaunchConfig
+    from dlrover_hpc.ssh.session import SshOptions
+
     env = os.environ if env is None else env
     run = parse_run_args(args.run_args)
     hosts = load_hostfile(args.hostfile)
@@ -225,4 +230,6 @@ def run_launch(args: argparse.Namespace) -> int:
     config = launch_config(args)
     # asyncssh logs every channel at INFO; its warnings are enough next to ours.
     logging.getLogger("asyncssh").setLevel(max(logging.WARNING, logging.getLogger().level))
+    from dlrover_hpc.ssh.launcher import Launcher
+
     return asyncio.run(Launcher(config).run())

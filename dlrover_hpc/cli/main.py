@@ -1,4 +1,4 @@
-"""``dlrover-hpc``: the job master, topology tools, drain, launch, status, stacks and
+"""``dlrover-hpc``: the job master, topology tools, drain, launch, status, stacks, config and
 local-slurm."""
 
 from __future__ import annotations
@@ -8,14 +8,17 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from dlrover_hpc.cli import commands, control, launch, local_slurm, topology
+from dlrover_hpc.cli import commands, config_command, control, launch, local_slurm, topology
 from dlrover_hpc.cli.logsetup import exit_code_of, setup_logging
 from dlrover_hpc.cli.parser import Parser
+from dlrover_hpc.cli.run_args import section_parsers
+from dlrover_hpc.cli.site_config import ConfigFiles, Defaults, load
 
 log = logging.getLogger(__name__)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(files: ConfigFiles | None = None) -> argparse.ArgumentParser:
+    """``files``: the TOML files the ``master`` flags' defaults come from (None: none)."""
     parser = Parser(
         prog="dlrover-hpc",
         description="Fault-tolerant, elastic PyTorch training on Slurm and bare metal. "
@@ -24,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.register_master(sub)
+    commands.register_master(sub, Defaults("master", files))
     topology.register(sub)
     commands.register_drain(sub)
     launch.register_launch(sub)
@@ -33,15 +36,20 @@ def build_parser() -> argparse.ArgumentParser:
     commands.register_report(sub)
     control.register_batch_size(sub)
     control.register_stop(sub)
+    config_command.register(sub)
     local_slurm.register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
 
     def command() -> int:
+        nonlocal args
+        if args.command == "master":
+            # The first pass found --config; every file is checked before any value is used.
+            args = build_parser(load(args.config, section_parsers())).parse_args(argv)
         setup_logging(args.command, level=args.log_level)
         return int(args.func(args))
 

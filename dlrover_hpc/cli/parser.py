@@ -17,9 +17,19 @@ class Parser(argparse.ArgumentParser):
     """
 
     def error(self, message: str) -> NoReturn:
-        self.exit(
-            2, f"{self.prog}: error: {message}{_env_hint(message)}; see '{self.prog} --help'\n"
-        )
+        hint = self._default_hint(message) or _env_hint(message)
+        self.exit(2, f"{self.prog}: error: {message}{hint}; see '{self.prog} --help'\n")
+
+    def _default_hint(self, message: str) -> str:
+        """A bad value that came from a flag's default: name the variable or the file and line
+        that set it (the ``origins`` default of a parser built with ``site_config.Defaults``)."""
+        match = re.match(r"argument ([\w-]+)", message)
+        origins = self.get_default("origins")
+        action = self._option_string_actions.get(match.group(1)) if match else None
+        origin = origins.get(action.dest) if origins and action else None
+        if origin is None or not origin.hint() or f"'{origin.value}'" not in message:
+            return ""
+        return f" ({origin.hint()})"
 
 
 def _env_hint(message: str) -> str:

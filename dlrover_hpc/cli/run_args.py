@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 from collections.abc import Sequence
 
+from dlrover_hpc.cli import site_config
+from dlrover_hpc.cli.commands import master_parser
 from dlrover_hpc.cli.parser import Parser
+from dlrover_hpc.cli.site_config import ConfigFiles, Defaults
 from dlrover_hpc.config import (
     DEFAULT_HANG_TIMEOUT,
     DEFAULT_LINK_TIMEOUT_S,
@@ -15,7 +19,6 @@ from dlrover_hpc.config import (
     DEFAULT_STRAGGLER_FACTOR,
     NodeRange,
     RunConfig,
-    env_default,
     parse_hang_timeout,
     parse_host_port,
     parse_nproc,
@@ -41,7 +44,9 @@ def _both(name: str) -> list[str]:
     return [dashed] if under == dashed else [dashed, under]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(defaults: Defaults | None = None) -> argparse.ArgumentParser:
+    """dlrover-run's parser; ``defaults``: the flags' defaults (environment only when None)."""
+    defaults = defaults or Defaults("run")
     p = Parser(
         prog="dlrover-run",
         description=DESCRIPTION,
@@ -51,50 +56,51 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("torchrun flags (same meaning as torchrun's)")
     t.add_argument(
         "--nnodes",
-        default=env_default("nnodes", "1:1"),
+        default=defaults.value("nnodes", "1:1"),
         help="number of nodes, or MIN:MAX for an elastic job (default 1:1)",
     )
     t.add_argument(
         *_both("nproc-per-node"),
         dest="nproc_per_node",
-        default=env_default("nproc_per_node", "1"),
+        default=defaults.value("nproc_per_node", "1"),
         help="workers per node: a number, or auto, cpu, gpu (default 1)",
     )
     t.add_argument(
         *_both("rdzv-backend"),
         dest="rdzv_backend",
-        default="dlrover",
+        default=defaults.value("rdzv_backend", "dlrover"),
         help="accepted for torchrun compatibility; the job master does rendezvous",
     )
     t.add_argument(
         *_both("rdzv-endpoint"),
         dest="rdzv_endpoint",
-        default="",
+        default=defaults.value("rdzv_endpoint", ""),
         help="HOST[:PORT]: with no job master running (a torchrun script), the agent on HOST "
         "starts one on PORT (default 29400) and the others connect to it",
     )
     t.add_argument(
         *_both("rdzv-id"),
         dest="rdzv_id",
-        default=None,
+        default=defaults.value("rdzv_id", None),
         help="run id (TORCHELASTIC_RUN_ID); default: the Slurm job id",
     )
     t.add_argument(
         *_both("rdzv-conf"),
         dest="rdzv_conf",
-        default="",
+        default=defaults.value("rdzv_conf", ""),
         help="KEY=VALUE,...: join_timeout, last_call_timeout, close_timeout",
     )
     t.add_argument(
         "--standalone",
         action="store_true",
+        default=defaults.switch("standalone", False),
         help="single node: run an in-process master, no Slurm needed",
     )
     t.add_argument(
         *_both("max-restarts"),
         dest="max_restarts",
         type=int,
-        default=env_default("max_restarts", "3") or "3",
+        default=defaults.value("max_restarts", "3"),
         help="worker-group restarts allowed for the whole job (counted per job, "
         "not per agent as torchrun does; default 3)",
     )
@@ -102,150 +108,161 @@ def build_parser() -> argparse.ArgumentParser:
         *_both("monitor-interval"),
         dest="monitor_interval",
         type=float,
-        default=0.1,
+        default=defaults.value("monitor_interval", "0.1"),
         help="seconds between checks of the workers (default 0.1)",
     )
     t.add_argument(
         *_both("start-method"),
         dest="start_method",
-        default="spawn",
+        default=defaults.value("start_method", "spawn"),
         choices=["spawn", "fork", "forkserver"],
         help="how workers are started",
     )
     t.add_argument(
         *_both("event-log-handler"),
         dest="event_log_handler",
-        default="null",
+        default=defaults.value("event_log_handler", "null"),
         help="accepted for torchrun compatibility; events go to events.jsonl",
     )
-    t.add_argument("--role", default="default", help="role of the workers (default: default)")
     t.add_argument(
-        "-m", "--module", action="store_true", help="run the script as a module, like python -m"
+        "--role",
+        default=defaults.value("role", "default"),
+        help="role of the workers (default: default)",
+    )
+    t.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        default=defaults.switch("module", False),
+        help="run the script as a module, like python -m",
     )
     t.add_argument(
         *_both("no-python"),
         dest="no_python",
         action="store_true",
+        default=defaults.switch("no_python", False),
         help="run the script as an executable, without prepending python",
     )
     t.add_argument(
         *_both("run-path"),
         dest="run_path",
         action="store_true",
+        default=defaults.switch("run_path", False),
         help="accepted for torchrun compatibility (runs in a worker process)",
     )
     t.add_argument(
         *_both("log-dir"),
         dest="log_dir",
-        default=None,
+        default=defaults.value("log_dir", None),
         help="directory for per-rank stdout/stderr logs",
     )
     t.add_argument(
         "-r",
         "--redirects",
-        default="0",
+        default=defaults.value("redirects", "0"),
         help="redirect std streams of workers into log files: 0 none, 1 stdout, "
         "2 stderr, 3 both; or per rank, e.g. 0:1,1:2",
     )
     t.add_argument(
         "-t",
         "--tee",
-        default="0",
+        default=defaults.value("tee", "0"),
         help="copy std streams to log files and the console (same values)",
     )
     t.add_argument(
         *_both("local-ranks-filter"),
         dest="local_ranks_filter",
-        default="",
+        default=defaults.value("local_ranks_filter", ""),
         help="only show these local ranks on the console, e.g. 0,1",
     )
     t.add_argument(
         *_both("node-rank"),
         dest="node_rank",
         type=int,
-        default=-1,
+        default=defaults.value("node_rank", "-1"),
         help="ignored: the master assigns node ranks (topology order)",
     )
     t.add_argument(
         *_both("master-addr"),
         dest="master_addr",
-        default=None,
+        default=defaults.value("master_addr", None),
         help="ignored: MASTER_ADDR is node rank 0's address, chosen per round",
     )
     t.add_argument(
         *_both("master-port"),
         dest="master_port",
         type=int,
-        default=None,
+        default=defaults.value("master_port", None),
         help="ignored: MASTER_PORT is fresh for every round so restarts never "
         "dial the previous attempt's ports",
     )
     t.add_argument(
         *_both("local-addr"),
         dest="local_addr",
-        default=None,
+        default=defaults.value("local_addr", None),
         help="address other nodes use to reach this one (default: host name)",
     )
     t.add_argument(
         *_both("logs-specs"),
         dest="logs_specs",
-        default=None,
+        default=defaults.value("logs_specs", None),
         help="accepted for torchrun compatibility",
     )
     t.add_argument(
         *_both("shutdown-timeout"),
         dest="shutdown_timeout",
         type=int,
-        default=15,
+        default=defaults.value("shutdown_timeout", "15"),
         help="seconds between SIGTERM and SIGKILL when stopping workers (default 15)",
     )
     t.add_argument(
         *_both("signals-to-handle"),
         dest="signals_to_handle",
-        default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        default=defaults.value("signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT"),
         help="signals forwarded to the workers",
     )
     d = p.add_argument_group("dlrover-hpc flags")
     d.add_argument(
         "--master",
-        default=env_default("master", None),
+        default=defaults.value("master", None),
         help="job master HOST:PORT (default $DLROVER_HPC_MASTER, else discovered "
         "from the job directory under Slurm)",
     )
     d.add_argument(
         "--network-check",
         action="store_true",
-        default=env_default("network_check", "") in ("1", "true", "yes"),
+        default=defaults.switch("network_check", False),
         help="pairwise network check before training and before each restart",
     )
     d.add_argument(
         "--exclude-straggler",
         action="store_true",
+        default=defaults.switch("exclude_straggler", False),
         help="with --network-check: exclude a straggler (check time > 2x median)",
     )
     d.add_argument(
         "--node-unit",
         type=int,
-        default=env_default("node_unit", "1") or "1",
+        default=defaults.value("node_unit", "1"),
         help="admit nodes only in multiples of N (default 1)",
     )
     d.add_argument(
         "--link-timeout",
         type=float,
-        default=env_default("link_timeout", f"{DEFAULT_LINK_TIMEOUT_S:g}"),
+        default=defaults.value("link_timeout", f"{DEFAULT_LINK_TIMEOUT_S:g}"),
         help="seconds of silence before the connection to the master fails (TCP keepalive "
         f"and TCP_USER_TIMEOUT; default {DEFAULT_LINK_TIMEOUT_S:g})",
     )
     d.add_argument(
         "--reconnect-timeout",
         type=float,
-        default=env_default("reconnect_timeout", f"{DEFAULT_RECONNECT_TIMEOUT_S:g}"),
+        default=defaults.value("reconnect_timeout", f"{DEFAULT_RECONNECT_TIMEOUT_S:g}"),
         help="seconds to keep reconnecting to a lost master while the workers train on, "
         f"before stopping them (default {DEFAULT_RECONNECT_TIMEOUT_S:g})",
     )
     d.add_argument(
         "--hang-timeout",
-        default=env_default("hang_timeout", DEFAULT_HANG_TIMEOUT),
+        default=defaults.value("hang_timeout", DEFAULT_HANG_TIMEOUT),
         help="how long no rank may progress before the job's stacks are dumped to "
         "<job dir>/hangs/ and the workers restart: auto (learned from the step times: about "
         "2x their p99 + 10 s, at least 30 s, with a longer bound for warm-up, checkpoints, "
@@ -255,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--straggler-factor",
         type=float,
-        default=env_default("straggler_factor", f"{DEFAULT_STRAGGLER_FACTOR:g}"),
+        default=defaults.value("straggler_factor", f"{DEFAULT_STRAGGLER_FACTOR:g}"),
         help="a rank whose compute per step (data, forward, backward, optimizer) takes this "
         "many times its peers' median, while they wait for it, for 20 s is reported "
         "(straggler_detected) and its node swapped out at the next checkpoint when a spare "
@@ -264,14 +281,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--job-dir",
-        default=env_default("job_dir", None),
+        default=defaults.value("job_dir", None),
         help="job directory (default $SLURM_SUBMIT_DIR/.dlrover-hpc/$SLURM_JOB_ID)",
+    )
+    d.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="TOML file of flag defaults ([run] section), over the user's and the site's "
+        f"(default ${site_config.CONFIG_ENV}); see 'dlrover-hpc config show'",
     )
     p.add_argument("training_script", help="the training script (or module with -m)")
     p.add_argument(
         "training_script_args", nargs=argparse.REMAINDER, help="arguments of the training script"
     )
+    p.set_defaults(origins=defaults.origins)  # where each default came from, for error messages
     return p
+
+
+def section_parser(section: str, files: ConfigFiles | None = None) -> argparse.ArgumentParser:
+    """The parser whose flags a section of the TOML files sets, with the files' defaults."""
+    defaults = Defaults(section, files)
+    return build_parser(defaults) if section == "run" else master_parser(defaults)
+
+
+def section_parsers() -> dict[str, argparse.ArgumentParser]:
+    return {section: section_parser(section) for section in site_config.COMMANDS}
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -336,12 +371,30 @@ def check_script(config: RunConfig) -> None:
         )
 
 
+def parse_args(argv: Sequence[str], *, config: str | None = None) -> argparse.Namespace:
+    """The flags over ``DLROVER_HPC_<FLAG>`` over the TOML files (exit 2 on an error).
+
+    The first pass finds ``--config`` (the training script's own flags are not dlrover-run's);
+    the second parses again with the files' defaults, once every file has been checked.
+    ``config``: the file when the flags name none (``dlrover-hpc config get``'s).
+    """
+    first = build_parser()
+    args = first.parse_args(argv)
+    try:
+        files = site_config.load(
+            args.config or config, {"run": first, "master": section_parser("master")}
+        )
+    except ConfigError as exc:
+        first.exit(2, f"dlrover-run: error: {exc}\n")
+    return section_parser("run", files).parse_args(argv)
+
+
 def parse(argv: Sequence[str] | None = None) -> RunConfig:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config = config_from_args(args)
         check_script(config)
     except ConfigError as exc:
-        parser.exit(2, f"dlrover-run: error: {exc}\n")
+        print(f"dlrover-run: error: {site_config.attribute(str(exc), args)}", file=sys.stderr)
+        raise SystemExit(2) from None
     return config
