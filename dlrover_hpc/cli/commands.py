@@ -241,7 +241,10 @@ def check_listen(host: str, port: int, flag: str = "--port") -> None:
 
 
 def _master(args: argparse.Namespace) -> int:
+    from dlrover_hpc.slurm.commands import check_backend
+
     config = master_config(args)
+    check_backend(os.environ)
     if config.topology:  # a bad file fails here (exit 2, FILE:LINE), before the job dir is made
         topology.load(config.topology)
     check_listen(config.host, config.port)
@@ -272,6 +275,7 @@ _NO_SUCH_NODE = "Invalid node name"
 def _drain(args: argparse.Namespace) -> int:
     from dlrover_hpc.slurm import commands as slurm
 
+    slurm.check_backend(os.environ)
     if not args.reason.strip():
         raise ConfigError("--reason must not be empty; say why the node is drained")
     if logging.getLogger().level > logging.DEBUG:  # the outcome is printed below, once

@@ -1,4 +1,10 @@
-"""The only place that runs Slurm's binaries: argv lists, timeouts, parsed results."""
+"""The only place that runs Slurm's binaries: argv lists, timeouts, parsed results.
+
+One backend: Slurm's command-line tools. pyslurm, which would call libslurm in-process, has no
+release for the Slurm the tests run (22.05; the package index has pyslurm 25.11 and 18.08 and
+older, and each release builds only against its own Slurm major), so it is not offered:
+``DLROVER_HPC_SLURM_BACKEND=cli`` is accepted, anything else is refused (:func:`check_backend`).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +12,31 @@ import dataclasses
 import logging
 import shlex
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from dlrover_hpc.errors import SlurmError
+from dlrover_hpc.errors import ConfigError, SlurmError
 from dlrover_hpc.slurm.hostnames import expand
 from dlrover_hpc.slurm.parse import parse_oneliner, parse_time_left
 
 log = logging.getLogger(__name__)
+
+BACKEND_ENV = "DLROVER_HPC_SLURM_BACKEND"
+BACKENDS = ("cli",)
+
+
+def check_backend(environ: Mapping[str, str]) -> str:
+    """The Slurm backend the environment asks for; a ConfigError for one not offered."""
+    wanted = environ.get(BACKEND_ENV, "").strip() or "cli"
+    if wanted in BACKENDS:
+        return wanted
+    why = (
+        "pyslurm has no release for this Slurm on the package index, so dlrover-hpc runs "
+        "Slurm's commands (see the README, 'Slurm: commands, not pyslurm')"
+        if wanted == "pyslurm"
+        else f"expected one of: {', '.join(BACKENDS)}"
+    )
+    raise ConfigError(f"{BACKEND_ENV}={wanted}: not a backend here; {why}; unset it or set cli")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -482,3 +482,14 @@ def test_dlrover_run_master_nobody_listens(tmp_path: Path) -> None:
         f"dlrover-run: cannot reach the job master: Connect call failed ('127.0.0.1', {port}) "
         "(connection refused); start the job master first ('dlrover-hpc master'"
     ) in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("argv", [("master", "--port", "0"), ("drain", "node1", "--reason", "x")])
+def test_a_slurm_backend_not_offered_is_refused_before_anything_starts(
+    tmp_path: Path, argv: tuple[str, ...]
+) -> None:
+    proc = run(
+        "dlrover-hpc", *argv, cwd=tmp_path, env=_clean_env(DLROVER_HPC_SLURM_BACKEND="pyslurm")
+    )
+    one_line_error(proc, 2, "DLROVER_HPC_SLURM_BACKEND=pyslurm: not a backend here", "set cli")
+    assert not (tmp_path / ".dlrover-hpc").exists()  # no master started, no job dir made

@@ -190,3 +190,23 @@ def test_node_states_failure_names_the_command() -> None:
     run, _ = _runner(1, stderr="sinfo: fatal: Could not establish a configuration source\n")
     with pytest.raises(SlurmError, match="sinfo -n node1 failed: sinfo: fatal: Could not"):
         commands.node_states(["node1"], run=run)
+
+
+@pytest.mark.parametrize("value", ["", "cli", " cli "])
+def test_the_command_backend_is_the_one_offered(value: str) -> None:
+    env = {commands.BACKEND_ENV: value} if value else {}
+    assert commands.check_backend(env) == "cli"
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("pyslurm", "pyslurm has no release for this Slurm on the package index"),
+        ("rest", "expected one of: cli"),
+    ],
+)
+def test_a_backend_not_offered_is_refused_with_the_reason(value: str, says: str) -> None:
+    with pytest.raises(UsageError) as err:
+        commands.check_backend({commands.BACKEND_ENV: value})
+    assert str(err.value).startswith(f"DLROVER_HPC_SLURM_BACKEND={value}: not a backend here; ")
+    assert says in str(err.value) and str(err.value).endswith("unset it or set cli")
