@@ -15,6 +15,26 @@ from enum import Enum
 from dlrover_hpc.errors import ConfigError
 
 
+class RequeueBy(Enum):
+    """Who continues a job at a time limit or preemption (Slurm's USR1, SIGTERM)."""
+
+    #: the master saves at a step boundary and continues the job; USR1 never reaches a worker,
+    #: so a framework's own requeue (Lightning's auto-requeue) does not run as well
+    DLROVER_HPC = "dlrover-hpc"
+    #: the agents pass USR1 on to the workers and the master continues nothing: the
+    #: framework's handler (Lightning's SLURMEnvironment, a script's own) requeues the job
+    FRAMEWORK = "framework"
+
+    @classmethod
+    def parse(cls, text: str) -> RequeueBy:
+        """``--requeue-by``'s value (a default from the environment skips argparse's check)."""
+        try:
+            return cls(text)
+        except ValueError:
+            choices = ", ".join(by.value for by in cls)
+            raise ConfigError(f"--requeue-by={text}: expected one of {choices}") from None
+
+
 class DrainMode(Enum):
     SCONTROL = "scontrol"
     QUARANTINE = "quarantine"
@@ -204,6 +224,8 @@ class MasterConfig:
     max_continuations: int = 5
     #: seconds before the time limit at which the master stops the job on its own (0: never)
     stop_lead_s: float = 90.0
+    #: FRAMEWORK: no continuation, no stop ahead of the time limit, USR1 ignored
+    requeue_by: RequeueBy = RequeueBy.DLROVER_HPC
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -281,6 +303,7 @@ class RunConfig:
     rdzv_endpoint: str = ""
     hang_timeout_s: float = HANG_AUTO
     straggler_factor: float = DEFAULT_STRAGGLER_FACTOR  # 0: no forward timing
+    requeue_by: RequeueBy = RequeueBy.DLROVER_HPC  # does Slurm's USR1 reach the workers?
 
     def __post_init__(self) -> None:
         nnodes = self.nnodes

@@ -27,7 +27,7 @@ from dlrover_hpc.agent.workers import WorkerFailure, WorkerGroup
 from dlrover_hpc.agent.zygote import Zygote
 from dlrover_hpc.checkpoint.saver.host import SaverHost
 from dlrover_hpc.checkpoint.saver.replicas import ReplicaServer
-from dlrover_hpc.config import RunConfig
+from dlrover_hpc.config import RequeueBy, RunConfig
 from dlrover_hpc.master.thread import MasterThread
 from dlrover_hpc.progress import PATH_ENV, StopNotice
 from dlrover_hpc.protocol import messages as m
@@ -174,6 +174,19 @@ class Agent:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._stop.set)
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGUSR1, self._on_requeue_signal)
+
+    def _on_requeue_signal(self) -> None:
+        """Slurm's USR1 (``--signal=USR1@T``) reaches every process of the step; the agent's
+        part is not to die of it (Python's default)."""
+        if self.config.requeue_by is RequeueBy.FRAMEWORK:
+            log.info("SIGUSR1: the workers' framework requeues the job (--requeue-by=framework)")
+        else:
+            log.info(
+                "SIGUSR1: the job master saves and continues the job; the workers do not see "
+                "it (--requeue-by=dlrover-hpc)"
+            )
 
     # --------------------------------------------------------------- loop
     async def run(self) -> int:

@@ -13,11 +13,12 @@ from collections.abc import Mapping
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResult
 
-from dlrover_hpc.agent.zygote import Zygote, exec_args, run_args
+from dlrover_hpc.agent.zygote import REQUEUE_BY_ENV, Zygote, exec_args, run_args
 from dlrover_hpc.config import RunConfig
 from dlrover_hpc.jobdir import PARAL_CONFIG, PARAL_CONFIG_ENV
 from dlrover_hpc.progress import PATH_ENV
 from dlrover_hpc.protocol.messages import Assignment
+from dlrover_hpc.slurm.env import worker_task_env
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ def worker_env(
     local_rank: int,
     extra: Mapping[str, str],
 ) -> dict[str, str]:
-    """torchrun's environment for one worker, plus dlrover-hpc's own variables."""
+    """torchrun's environment for one worker, plus dlrover-hpc's own variables; inside a Slurm
+    job the task variables (``SLURM_PROCID`` ...) are rewritten to agree with it."""
     nproc = config.nproc_per_node
     rank = assignment.rank_offset + local_rank
     env = {
@@ -67,6 +69,7 @@ def worker_env(
         "TORCHELASTIC_MAX_RESTARTS": str(assignment.max_restarts),
         "TORCHELASTIC_RUN_ID": config.run_id or assignment.run_id,
         "DLROVER_HPC_ROUND": str(assignment.round),  # the data-sharding client's incarnation
+        REQUEUE_BY_ENV: config.requeue_by.value,  # is Slurm's USR1 the worker's to take?
         # Workers join the master's per-round store as clients (a fresh store each round).
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
@@ -81,6 +84,7 @@ def worker_env(
         env[PARAL_CONFIG_ENV] = os.path.join(extra["DLROVER_HPC_JOB_DIR"], PARAL_CONFIG)
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default
+    env.update(worker_task_env(os.environ, env))
     return env
 
 

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -48,9 +48,13 @@ _FORWARDED = (
     signal.SIGINT,
     signal.SIGHUP,
     signal.SIGQUIT,
-    signal.SIGUSR1,
     signal.SIGUSR2,
 )
+#: Slurm's USR1 (``--signal=USR1@T``, a job step's signal) reaches every process of the step,
+#: the worker itself among them: a client that passed it on would deliver it twice, and the
+#: zygote and a client must not die of it (Python's default). See :func:`hold_requeue_signal`.
+_REQUEUE_SIGNAL = signal.SIGUSR1
+REQUEUE_BY_ENV = "DLROVER_HPC_REQUEUE_BY"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -72,6 +76,17 @@ def die_with_parent(parent_pid: int, sig: signal.Signals) -> None:
         os.kill(os.getpid(), sig)
 
 
+def hold_requeue_signal(env: Mapping[str, str]) -> None:
+    """Block Slurm's USR1 in a worker unless ``--requeue-by=framework``.
+
+    With the default (``dlrover-hpc``) the master saves and continues the job; a framework's
+    own handler (Lightning's auto-requeue) must not requeue it as well. Blocked from the start
+    (kept across exec), the signal stays pending whatever handler the script installs.
+    """
+    if env.get(REQUEUE_BY_ENV, "dlrover-hpc") != "framework":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {_REQUEUE_SIGNAL})
+
+
 def exec_args(command: Sequence[str]) -> tuple[str, ...]:
     """Arguments for ``python`` that run ``command`` (PATH searched) in the same process, set
     to die with the calling process: the path for workers that the zygote does not fork."""
@@ -84,8 +99,23 @@ def run_args(argv: Sequence[str], *, module: bool) -> tuple[str, ...]:
     return ("-u", "-m", "dlrover_hpc.agent.zygote", "run", str(os.getpid()), kind, *argv)
 
 
+def set_title(title: str) -> None:
+    """The process's command line in ``ps``; its name (``comm``: ``top``, ``pgrep``) stays the
+    interpreter's, as started (setproctitle would make it the title's first 15 characters)."""
+    setproctitle.setproctitle(title)
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
+        comm.write(os.path.basename(sys.executable)[:15])
+
+
+def worker_title(argv: Sequence[str], *, module: bool) -> str:
+    """A worker's process title: the command line torchrun would have started it with."""
+    return " ".join([sys.executable, "-u", *(["-m"] if module else []), *argv])
+
+
 def _run(parent_pid: int, argv: list[str], *, module: bool) -> None:
     die_with_parent(parent_pid, signal.SIGKILL)
+    set_title(worker_title(argv, module=module))
+    hold_requeue_signal(os.environ)
     with contextlib.suppress(ImportError):
         import torch  # noqa: F401 - the script's first import anyway; the hooks need it
 
@@ -97,6 +127,7 @@ def _run(parent_pid: int, argv: list[str], *, module: bool) -> None:
 
 def _exec(parent_pid: int, command: list[str]) -> None:
     die_with_parent(parent_pid, signal.SIGKILL)  # kept across execve
+    hold_requeue_signal(os.environ)
     try:
         os.execvp(command[0], command)
     except OSError as exc:
@@ -113,6 +144,7 @@ def serve(
 ) -> None:
     # SIGTERM, as from Zygote.stop: the loop below ends and kills the children.
     die_with_parent(parent_pid, signal.SIGTERM)
+    signal.signal(_REQUEUE_SIGNAL, signal.SIG_IGN)
     for name in preload:
         __import__(name)
     with contextlib.suppress(FileNotFoundError):
@@ -227,8 +259,13 @@ def _become_worker(request: dict, fds: list[int], *, zygote_pid: int) -> None:
             os.close(fd)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
+        # In `ps` and `top`, the user's script, as torchrun's worker shows it; not the
+        # zygote's title. (Before the environment changes, like the zygote's own title.)
+        set_title(worker_title(request["argv"], module=request["module"]))
         os.environ.clear()
         os.environ.update(request["env"])
+        signal.signal(_REQUEUE_SIGNAL, signal.SIG_DFL)  # the zygote ignores it
+        hold_requeue_signal(os.environ)
         os.chdir(request["cwd"])
         sys.stdin = open(0, closefd=False)  # noqa: SIM115
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
@@ -305,6 +342,7 @@ def client(socket_path: str, argv: list[str], *, module: bool, parent_pid: int) 
 
     for sig in _FORWARDED:
         signal.signal(sig, forward)
+    signal.signal(_REQUEUE_SIGNAL, signal.SIG_IGN)  # the worker gets its own
     line = reader.readline()
     code = int(json.loads(line)["exit"]) if line else -signal.SIGKILL
     if code < 0:  # die of the same signal, so the agent sees what happened to the worker
@@ -317,6 +355,7 @@ def client(socket_path: str, argv: list[str], *, module: bool, parent_pid: int) 
 
 
 def _exec_directly(argv: list[str], *, module: bool) -> None:
+    hold_requeue_signal(os.environ)
     args = [sys.executable, "-u", *(["-m"] if module else []), *argv]
     os.execv(sys.executable, args)
 
@@ -379,12 +418,10 @@ class Zygote:
                 # `ps`, pgrep and the chaos tools must not take it (or the workers it forks)
                 # for the agent: the command line a zygote started on its own would show.
                 # (Before the environment changes: the title may take the environment's room.)
-                setproctitle.setproctitle(
+                set_title(
                     f"{sys.executable} -m dlrover_hpc.agent.zygote serve {self.socket_path} "
                     f"{parent}"
                 )
-                with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
-                    comm.write(os.path.basename(sys.executable)[:15])  # its name, as started
                 os.environ.clear()
                 os.environ.update(env)
                 if env.get("OMP_NUM_THREADS", "").isdigit():  # torch read it at its import

@@ -17,6 +17,7 @@ from dlrover_hpc.config import (
     DrainMode,
     MasterConfig,
     NodeRange,
+    RequeueBy,
     env_default,
     parse_hang_timeout,
 )
@@ -153,6 +154,14 @@ def register_master(sub: argparse._SubParsersAction, defaults: Defaults | None =
         "when no --signal came first (default 90; 0: off)",
     )
     p.add_argument(
+        "--requeue-by",
+        choices=[by.value for by in RequeueBy],
+        default=defaults.value("requeue_by", RequeueBy.DLROVER_HPC.value),
+        help="who continues the job at a time limit or preemption: dlrover-hpc (default) or "
+        "framework (USR1 ignored here, no stop ahead of the limit, no continuation: the "
+        "workers' framework requeues); the agents' --requeue-by, as train.sbatch passes it",
+    )
+    p.add_argument(
         "--config",
         metavar="FILE",
         default=None,
@@ -208,6 +217,7 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
         metrics_port=args.metrics_port,
         max_continuations=args.max_continuations,
         stop_lead_s=args.stop_lead,
+        requeue_by=RequeueBy.parse(args.requeue_by),
     )
 
 

@@ -18,6 +18,7 @@ from dlrover_hpc.config import (
     DEFAULT_RECONNECT_TIMEOUT_S,
     DEFAULT_STRAGGLER_FACTOR,
     NodeRange,
+    RequeueBy,
     RunConfig,
     parse_hang_timeout,
     parse_host_port,
@@ -280,6 +281,16 @@ def build_parser(defaults: Defaults | None = None) -> argparse.ArgumentParser:
         f"(default {DEFAULT_STRAGGLER_FACTOR:g})",
     )
     d.add_argument(
+        "--requeue-by",
+        choices=[by.value for by in RequeueBy],
+        default=defaults.value("requeue_by", RequeueBy.DLROVER_HPC.value),
+        help="who continues the job at a time limit or preemption: dlrover-hpc (default: the "
+        "master saves at a step boundary and requeues; Slurm's USR1 never reaches a worker, "
+        "so a framework's own requeue does not run as well) or framework (the agents pass USR1 "
+        "on to the workers, the master continues nothing: Lightning's auto-requeue or the "
+        "script's own handler requeues); give the master the same value",
+    )
+    d.add_argument(
         "--job-dir",
         default=defaults.value("job_dir", None),
         help="job directory (default $SLURM_SUBMIT_DIR/.dlrover-hpc/$SLURM_JOB_ID)",
@@ -346,6 +357,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         reconnect_timeout_s=args.reconnect_timeout,
         hang_timeout_s=hang_timeout_s,
         straggler_factor=args.straggler_factor,
+        requeue_by=RequeueBy.parse(args.requeue_by),
         rdzv_endpoint=args.rdzv_endpoint,
     )
 

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dlrover_hpc.config import DrainMode, MasterConfig, NodeRange
+from dlrover_hpc.config import DrainMode, MasterConfig, NodeRange, RequeueBy
 from dlrover_hpc.errors import DlroverHpcError
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,11 @@ def save_config(job_dir: Path, config: MasterConfig) -> None:
     path = job_dir / CONFIG
     if path.exists():
         return
-    raw: dict[str, Any] = {**dataclasses.asdict(config), "drain": config.drain.value}
+    raw: dict[str, Any] = {
+        **dataclasses.asdict(config),
+        "drain": config.drain.value,
+        "requeue_by": config.requeue_by.value,
+    }
     tmp = job_dir / f".{CONFIG}.{os.getpid()}"
     tmp.write_text(json.dumps(raw))
     os.replace(tmp, path)
@@ -138,5 +142,6 @@ def load_config(job_dir: Path, **overrides: Any) -> MasterConfig | None:
         return None
     raw["nnodes"] = NodeRange(**raw["nnodes"])
     raw["drain"] = DrainMode(raw["drain"])
+    raw["requeue_by"] = RequeueBy(raw.get("requeue_by", RequeueBy.DLROVER_HPC.value))
     known = {f.name for f in dataclasses.fields(MasterConfig)}
     return MasterConfig(**{k: v for k, v in {**raw, **overrides}.items() if k in known})

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from dlrover_hpc.config import MasterConfig
+from dlrover_hpc.config import MasterConfig, RequeueBy
 from dlrover_hpc.errors import ProtocolError
 from dlrover_hpc.events import EventName
 from dlrover_hpc.master import failover, metrics, stopping
@@ -240,13 +240,16 @@ class MasterServer:
                 master_addr=f"{self.advertised_host}:{self.port}",
             )
             self.relauncher = Relauncher(self.job, launcher)
-            self.stopper.continuer = Continuer(
-                job_id=os.environ["SLURM_JOB_ID"],
-                job_dir=self.job_dir,
-                events=self.events,
-                max_continuations=self.config.max_continuations,
-                script=os.environ.get("DLROVER_HPC_SBATCH_SCRIPT"),
-            )
+            if self.config.requeue_by is RequeueBy.FRAMEWORK:
+                log.info("continuation left to the workers' framework (--requeue-by=framework)")
+            else:
+                self.stopper.continuer = Continuer(
+                    job_id=os.environ["SLURM_JOB_ID"],
+                    job_dir=self.job_dir,
+                    events=self.events,
+                    max_continuations=self.config.max_continuations,
+                    script=os.environ.get("DLROVER_HPC_SBATCH_SCRIPT"),
+                )
         log.info(
             "master listening host=%s port=%d job_dir=%s",
             self.advertised_host,

@@ -25,10 +25,22 @@ log = logging.getLogger(__name__)
 
 #: seconds before the deadline that a stop requested by signal leaves to Slurm's kill
 KILL_MARGIN_S = 10.0
+#: the longest a stop waits for the ranks' next save (a job stopped long before its time limit,
+#: by hand or by a signal); then the agents persist the newest step in memory
+MAX_STOP_WAIT_S = 3600.0
 #: seconds the agents get, after a SIGTERM, before Slurm's SIGKILL (KillWait, default 30)
 SIGTERM_GRACE_S = 20.0
 #: seconds a stop waits for a new round's first save or restore (its steps are unknown before)
 FRESH_ROUND_WAIT_S = 20.0
+
+
+def stop_deadline(now: float, left_s: float | None, within_s: float | None) -> float:
+    """When a stop gives up waiting for the ranks' save: ``within_s`` from ``now``, by default
+    the time left before the limit less a margin, but not days (a job stopped by hand long
+    before its limit): within the hour; 60 s with no limit known; never under 5 s."""
+    if within_s is None:
+        within_s = min(left_s - KILL_MARGIN_S, MAX_STOP_WAIT_S) if left_s is not None else 60.0
+    return now + max(5.0, within_s)
 
 
 class GracefulStop:
@@ -64,9 +76,7 @@ class GracefulStop:
         now = self._wall()
         left = self._left_now(now)
         kind = kind or stop_kind(left, self.lead_s)
-        if within_s is None:
-            within_s = left - KILL_MARGIN_S if left is not None else 60.0
-        deadline = now + max(5.0, within_s)
+        deadline = stop_deadline(now, left, within_s)
         self.plan = StopPlan(kind=kind, reason=reason, step=-1, deadline=deadline)
         self._requested_at = now
         self.job.stopping = f"{kind.value}: {reason}"

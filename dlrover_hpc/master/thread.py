@@ -9,7 +9,7 @@ import signal
 import threading
 from pathlib import Path
 
-from dlrover_hpc.config import MasterConfig
+from dlrover_hpc.config import MasterConfig, RequeueBy
 from dlrover_hpc.jobdir import make_job_dir
 from dlrover_hpc.master import failover, stopping
 from dlrover_hpc.master.server import SUPERSEDED, MasterServer
@@ -61,6 +61,10 @@ class MasterThread:
         self._thread.join(timeout_s)
 
 
+def _framework_requeues(name: str) -> None:
+    log.info("%s: left to the workers' framework (--requeue-by=framework)", name)
+
+
 def run_master(config: MasterConfig) -> int:
     job_dir = make_job_dir(config.job_dir)
     token = resolve_token(job_dir, create=True)
@@ -82,8 +86,12 @@ def run_master(config: MasterConfig) -> int:
             task.add_done_callback(tasks.discard)
 
         loop.add_signal_handler(signal.SIGTERM, sigterm)
-        # Slurm's --signal=USR1@T (without B:): save and continue before the time limit.
-        loop.add_signal_handler(signal.SIGUSR1, server.stopper.request, None, "SIGUSR1")
+        # Slurm's --signal=USR1@T (without B:): save and continue before the time limit;
+        # unless the workers' framework continues the job (it gets the signal from the agents).
+        if config.requeue_by is RequeueBy.FRAMEWORK:
+            loop.add_signal_handler(signal.SIGUSR1, _framework_requeues, "SIGUSR1")
+        else:
+            loop.add_signal_handler(signal.SIGUSR1, server.stopper.request, None, "SIGUSR1")
         return await server.serve()
 
     return asyncio.run(main())

@@ -64,3 +64,41 @@ def parse_slurm_env(env: Mapping[str, str]) -> SlurmEnv | None:
         end_time=_int(env, "SLURM_JOB_END_TIME"),
         submit_dir=env.get("SLURM_SUBMIT_DIR") or None,
     )
+
+
+#: The task-level variables a worker gets rewritten to its own rank, and where each value comes
+#: from (a name of torchrun's environment). Lightning's SLURMEnvironment, submitit and many
+#: scripts take the rank from these before torchrun's; under ``srun dlrover-run`` they are the
+#: agent's task (one per node), so every worker of a node would claim the agent's rank.
+TASK_VARIABLES = {
+    "SLURM_PROCID": "RANK",
+    "SLURM_LOCALID": "LOCAL_RANK",
+    "SLURM_NTASKS": "WORLD_SIZE",
+    "SLURM_NPROCS": "WORLD_SIZE",  # the older name of SLURM_NTASKS
+    "SLURM_NODEID": "GROUP_RANK",
+    "SLURM_NTASKS_PER_NODE": "LOCAL_WORLD_SIZE",
+}
+#: The agent's own value of a rewritten variable, kept for the worker under this prefix
+#: (``DLROVER_HPC_AGENT_SLURM_PROCID``).
+AGENT_PREFIX = "DLROVER_HPC_AGENT_"
+
+
+def worker_task_env(
+    agent_env: Mapping[str, str], torchrun_env: Mapping[str, str]
+) -> dict[str, str]:
+    """The Slurm task variables of one worker, in agreement with its torchrun variables.
+
+    Only inside a Slurm job (``SLURM_JOB_ID``): a job over SSH gets no Slurm variables, which
+    would make a framework think it runs under Slurm. The agent's own values are kept under
+    :data:`AGENT_PREFIX`.
+    """
+    if not agent_env.get("SLURM_JOB_ID"):
+        return {}
+    out: dict[str, str] = {}
+    for name, source in TASK_VARIABLES.items():
+        if name == "SLURM_NPROCS" and name not in agent_env:
+            continue  # Slurm 22.05 sets it; a newer one may not, nor should we
+        if name in agent_env:
+            out[AGENT_PREFIX + name] = agent_env[name]
+        out[name] = torchrun_env[source]
+    return out

@@ -25,7 +25,9 @@ from dlrover_hpc.testing.prometheus import free_port
 SCRIPT = """
 import json, os, sys, time
 out = {"preloaded": "torch" in sys.modules, "argv": sys.argv[1:], "name": __name__,
-       "cwd": os.getcwd(), "env": os.environ.get("ZYGOTE_TEST")}
+       "cwd": os.getcwd(), "env": os.environ.get("ZYGOTE_TEST"),
+       "title": open("/proc/self/cmdline").read().replace("\\0", " ").strip(),
+       "comm": open("/proc/self/comm").read().strip()}
 open(sys.argv[1], "w").write(json.dumps(out))
 mode = sys.argv[2]
 if mode == "exit":
@@ -77,6 +79,9 @@ def test_child_runs_script_as_main_with_torch_preloaded(zygote: Zygote, tmp_path
         "name": "__main__",
         "cwd": str(tmp_path),
         "env": "yes",
+        # in ps and top, the script as torchrun's worker shows it, not the zygote
+        "title": f"{sys.executable} -u {script} {out} exit",
+        "comm": os.path.basename(sys.executable)[:15],  # top and pgrep: the interpreter
     }
 
 

@@ -478,10 +478,12 @@ def test_train_sbatch_takes_the_agents_settings_from_the_config(files: Files) ->
     end = next(i for i, line in enumerate(script) if line.startswith("export DLROVER_HPC_JOB_DIR"))
     part = "\n".join(["set -uo pipefail", *script[start : end + 1]])
     show = (
-        'echo "$config|$DLROVER_HPC_JOB_DIR|$nnodes|$max_restarts|$node_unit|$replacement_sbatch"'
+        'echo "$config|$DLROVER_HPC_JOB_DIR|$nnodes|$max_restarts|$node_unit|$replacement_sbatch'
+        '|$requeue_by"'
     )
     files.config.write_text(
         '[run]\nnnodes = "2:4"\nnode_unit = 2\njob_dir = "/scratch/job-$SLURM_JOB_ID"\n'
+        'requeue_by = "framework"\n'
         '[master]\nreplacement_sbatch = "/opt/replacement.sbatch"\nmax_restarts = 1\n'
     )
     env = files.env(PATH=f"{BIN}:{os.environ['PATH']}", SLURM_JOB_ID="42")
@@ -498,7 +500,9 @@ def test_train_sbatch_takes_the_agents_settings_from_the_config(files: Files) ->
 
     out = job("--config", "../job.toml", "--max-restarts=6", "train.py", "--nnodes", "9")
     assert out.returncode == 0, out.stderr
-    assert out.stdout == f"{files.config}|/scratch/job-42|2:4|6|2|/opt/replacement.sbatch\n"
+    assert out.stdout == (
+        f"{files.config}|/scratch/job-42|2:4|6|2|/opt/replacement.sbatch|framework\n"
+    )
     files.config.write_text("[run]\nmax_restarts = -\n")
     out = job("--config", "../job.toml", "train.py")
     assert out.returncode == 2 and out.stdout == ""

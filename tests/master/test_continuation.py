@@ -4,6 +4,7 @@ line from verbatim ``scontrol -o show job`` output, and ``squeue %L``."""
 from __future__ import annotations
 
 from dlrover_hpc.master.continuation import StopKind, resubmit_argv, stop_kind, stop_step
+from dlrover_hpc.master.stopping import KILL_MARGIN_S, MAX_STOP_WAIT_S, stop_deadline
 from dlrover_hpc.slurm.parse import parse_oneliner, parse_time_left
 
 # `scontrol -o show job 1` of `sbatch -N1 --time=1:30 --signal=B:USR1@30 -o /tmp/sig/out-%j.txt`
@@ -107,3 +108,14 @@ def test_resubmission_maps_memory_exclusive_gres_and_no_requeue() -> None:
     assert "--gres=gpu:8" in argv
     assert "--output=/runs/job11/slurm-%j.out" in argv  # only the file name is renamed
     assert not any(a.startswith("--time") for a in argv)
+
+
+def test_a_stop_long_before_the_time_limit_waits_for_a_save_an_hour_at_most() -> None:
+    """A job stopped by hand (or a signal) days before its limit: the ranks get an hour to
+    reach a save, not the days left (a worker's wait for the commit once failed on that)."""
+    assert stop_deadline(1000.0, 6 * 86400.0, None) == 1000.0 + MAX_STOP_WAIT_S
+    # Slurm's USR1 two minutes before the limit: up to the limit, less the kill margin
+    assert stop_deadline(1000.0, 120.0, None) == 1000.0 + 120.0 - KILL_MARGIN_S
+    assert stop_deadline(1000.0, None, None) == 1060.0  # no limit known
+    assert stop_deadline(1000.0, 6 * 86400.0, 20.0) == 1020.0  # SIGTERM: KillWait's grace
+    assert stop_deadline(1000.0, 3.0, None) == 1005.0  # past the margin: 5 s at least

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dlrover_hpc.config import DrainMode, MasterConfig, NodeRange
+from dlrover_hpc.config import DrainMode, MasterConfig, NodeRange, RequeueBy
 from dlrover_hpc.master import failover
 from dlrover_hpc.master.journal import Journal
 from dlrover_hpc.master.nodes import NodeState
@@ -57,7 +57,11 @@ def test_a_renewed_lease_keeps_candidates_out_and_a_stale_one_lets_them_in(
 def test_the_first_masters_configuration_is_kept_for_a_promoted_agent(tmp_path: Path) -> None:
     assert failover.load_config(tmp_path) is None
     first = MasterConfig(
-        nnodes=NodeRange(min=2, max=4), drain=DrainMode.QUARANTINE, topology="t.conf", port=7
+        nnodes=NodeRange(min=2, max=4),
+        drain=DrainMode.QUARANTINE,
+        topology="t.conf",
+        port=7,
+        requeue_by=RequeueBy.FRAMEWORK,
     )
     failover.save_config(tmp_path, first)
     failover.save_config(tmp_path, MasterConfig())  # a later master does not overwrite it
@@ -65,6 +69,7 @@ def test_the_first_masters_configuration_is_kept_for_a_promoted_agent(tmp_path: 
     assert got is not None
     assert got.nnodes == NodeRange(min=2, max=4)
     assert (got.drain, got.topology) == (DrainMode.QUARANTINE, "t.conf")
+    assert got.requeue_by is RequeueBy.FRAMEWORK
     assert (got.port, got.embedded) == (0, True)
 
 

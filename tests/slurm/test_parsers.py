@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -210,3 +211,46 @@ def test_a_backend_not_offered_is_refused_with_the_reason(value: str, says: str)
         commands.check_backend({commands.BACKEND_ENV: value})
     assert str(err.value).startswith(f"DLROVER_HPC_SLURM_BACKEND={value}: not a backend here; ")
     assert says in str(err.value) and str(err.value).endswith("unset it or set cli")
+
+
+def test_a_workers_task_variables_follow_its_rank_and_keep_the_agents() -> None:
+    from dlrover_hpc.agent.workers import worker_env
+    from dlrover_hpc.cli.run_args import build_parser, config_from_args
+    from dlrover_hpc.protocol.messages import Assignment, NodeStatus
+
+    agent = _env_file("step_env_node2.txt")  # srun -N4: the agent is task 1 of 4, on node 1
+    config = config_from_args(build_parser().parse_args(["--nproc-per-node=2", "train.py"]))
+    assignment = Assignment(
+        status=NodeStatus.ACTIVE, round=1, world_size=8, rank_offset=2, node_rank=1, nnodes=4
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        for key in [k for k in os.environ if k.startswith("SLURM_")]:
+            mp.delenv(key)
+        for key, value in agent.items():
+            mp.setenv(key, value)
+        env = worker_env(config, assignment, local_rank=1, extra={})
+    assert env["RANK"] == env["SLURM_PROCID"] == "3"
+    assert env["LOCAL_RANK"] == env["SLURM_LOCALID"] == "1"
+    assert env["WORLD_SIZE"] == env["SLURM_NTASKS"] == env["SLURM_NPROCS"] == "8"
+    assert env["GROUP_RANK"] == env["SLURM_NODEID"] == "1"
+    assert env["LOCAL_WORLD_SIZE"] == env["SLURM_NTASKS_PER_NODE"] == "2"
+    kept = {k: v for k, v in env.items() if k.startswith("DLROVER_HPC_AGENT_SLURM_")}
+    assert kept == {
+        "DLROVER_HPC_AGENT_SLURM_PROCID": "1",
+        "DLROVER_HPC_AGENT_SLURM_LOCALID": "0",
+        "DLROVER_HPC_AGENT_SLURM_NTASKS": "4",
+        "DLROVER_HPC_AGENT_SLURM_NPROCS": "4",
+        "DLROVER_HPC_AGENT_SLURM_NODEID": "1",
+        "DLROVER_HPC_AGENT_SLURM_NTASKS_PER_NODE": "1",
+    }
+
+
+def test_outside_a_slurm_job_a_worker_gets_no_slurm_variables() -> None:
+    from dlrover_hpc.slurm.env import worker_task_env
+
+    torchrun = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "GROUP_RANK": "1"}
+    assert worker_task_env({"PATH": "/usr/bin"}, {**torchrun, "LOCAL_WORLD_SIZE": "2"}) == {}
+    # Inside a job without SLURM_NPROCS (newer Slurm): not added.
+    got = worker_task_env({"SLURM_JOB_ID": "7"}, {**torchrun, "LOCAL_WORLD_SIZE": "2"})
+    assert "SLURM_NPROCS" not in got and got["SLURM_PROCID"] == "3"
+    assert not [k for k in got if k.startswith("DLROVER_HPC_AGENT_")]  # nothing to keep

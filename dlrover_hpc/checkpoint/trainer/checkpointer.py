@@ -100,9 +100,12 @@ class CheckpointerBase:
         """DISK when the job ends at this save (a time limit or preemption asked every rank
         to keep its first save at or after a step: `progress.stop_requested`)."""
         notice = progress.stop_requested()
-        if notice is None or step < notice.step or not self._engine.writes_memory:
+        if notice is None or step < notice.step:
             return storage_type
         self._stopping = (step, notice.deadline)
+        if not self._engine.writes_memory:  # DDP: the node's local rank 0 keeps the step
+            logger.warning("checkpoint stop step=%d: this rank exits", step)
+            return storage_type
         logger.warning("checkpoint stop_save step=%d: persisted, then this rank exits", step)
         return StorageType.DISK
 
@@ -113,6 +116,11 @@ class CheckpointerBase:
             return saved
         deadline = self._stopping[1]
         self._stopping = None
+        if not self._engine.writes_memory:
+            # Every rank stops at this save, so no collective waits for this one; the rank
+            # that holds the step waits for its commit.
+            progress.mark_stopped(step)
+            raise SystemExit(0)
         committed = saved and self.wait_latest_checkpoint(max(1.0, deadline - time.time()))
         logger.warning(
             "checkpoint stop step=%d committed=%s: the job continues from it in its next run",

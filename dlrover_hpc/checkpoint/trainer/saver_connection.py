@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import re
+import time
 import weakref
 from datetime import timedelta
 from typing import Any, Protocol
@@ -16,6 +17,7 @@ from dlrover_hpc.checkpoint.env import ENV_SAVER_SOCKET, SEGMENT_PREFIX, WorkerE
 from dlrover_hpc.checkpoint.saver.commits import CommitCounter, StoreCommitCoordinator
 from dlrover_hpc.checkpoint.saver.persist_queue import SaverCore
 from dlrover_hpc.checkpoint.saver.worker_protocol import (
+    MAX_TIMEOUT_S,
     Hello,
     Replicate,
     Saved,
@@ -72,10 +74,16 @@ class SocketLink:
     def wait_committed(
         self, ckpt_dir: str, step: int, timeout_s: float, rank: int, token: int
     ) -> bool:
-        reply = self._client.request(
-            Wait(ckpt_dir=ckpt_dir, step=step, rank=rank, token=token), timeout_s=timeout_s
-        )
-        return bool(reply.get("committed"))
+        """Asks in waits of at most the saver's limit (a day): a stop notice's deadline is the
+        job's time left, which may be longer (a job stopped by hand days before its limit)."""
+        end = time.monotonic() + timeout_s
+        while True:
+            wait_s = min(max(end - time.monotonic(), 0.0), MAX_TIMEOUT_S)
+            reply = self._client.request(
+                Wait(ckpt_dir=ckpt_dir, step=step, rank=rank, token=token), timeout_s=wait_s
+            )
+            if reply.get("committed") or time.monotonic() >= end or wait_s < MAX_TIMEOUT_S:
+                return bool(reply.get("committed"))
 
     def close(self) -> None:
         self._client.close()

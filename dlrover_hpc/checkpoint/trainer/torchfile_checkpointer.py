@@ -120,7 +120,7 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
         if not engine.writes_memory:
             if storage_type == StorageType.DISK:
                 engine.last_disk_step = step
-            return True
+            return self._stop_if_asked(step, True)
         try:
             saved = self._save(step, state_dict, path, storage_type, t0)
         except SegmentSpaceError as exc:
