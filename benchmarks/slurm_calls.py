@@ -69,7 +69,9 @@ def main() -> None:
     cluster = LocalSlurm(LocalSlurmConfig(nodes=4, index=args.index))
     cluster.up()
     os.environ["SLURM_CONF"] = cluster.env["SLURM_CONF"]
-    job = slurm.submit(["sbatch", "--parsable", "-N2", "-w", "node[1-2]", "--wrap", "sleep 600"])
+    job = slurm.submit(
+        ["sbatch", "--parsable", "-o", "/dev/null", "-N2", "-w", "node[1-2]", "--wrap", "sleep 600"]
+    )
     held: list[str] = []
     try:
         deadline = time.monotonic() + 60
@@ -80,7 +82,11 @@ def main() -> None:
         nodes = slurm.job_nodes(job)
 
         def submit_held() -> None:
-            held.append(slurm.submit(["sbatch", "--parsable", "--hold", "--wrap", "true"]))
+            held.append(
+                slurm.submit(
+                    ["sbatch", "--parsable", "-o", "/dev/null", "--hold", "--wrap", "true"]
+                )
+            )
 
         calls = {
             "baseline_fork_true": lambda: slurm.run_command(["true"], timeout_s=10),
