@@ -54,6 +54,9 @@ _FORWARDED = (
 #: the worker itself among them: a client that passed it on would deliver it twice, and the
 #: zygote and a client must not die of it (Python's default). See :func:`hold_requeue_signal`.
 _REQUEUE_SIGNAL = signal.SIGUSR1
+#: Imported by the zygote besides torch: DistributedDataParallel's constructor imports
+#: torch._dynamo, 1.6-2.4 s of CPU in every worker (most of a forked worker's start-up here).
+WARM_MODULES = ("torch._dynamo",)
 REQUEUE_BY_ENV = "DLROVER_HPC_REQUEUE_BY"
 _PR_SET_PDEATHSIG = 1
 
@@ -147,6 +150,11 @@ def serve(
     signal.signal(_REQUEUE_SIGNAL, signal.SIG_IGN)
     for name in preload:
         __import__(name)
+    for name in WARM_MODULES:  # once here, not once per worker; a worker can do without
+        try:
+            __import__(name)
+        except Exception as exc:  # any failure: the worker imports it itself
+            print(f"dlrover-run: zygote: cannot preload {name}: {exc}", file=sys.stderr)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(socket_path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
