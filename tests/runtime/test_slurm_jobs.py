@@ -267,7 +267,9 @@ def test_replacement_job_joins_when_no_spare_is_left(
         3,
         "--nnodes=2:3",
         "--nproc-per-node=1",
-        *_train_args(shared_tmp, steps=80, extra=("--step-time=0.1",)),
+        # 250 steps (25 s): the replacement must join before the training ends. With 80 the
+        # job once finished 5.6 s after the node was lost, before the replacement (7 s) came.
+        *_train_args(shared_tmp, steps=250, extra=("--step-time=0.1",)),
         extra=("-w", "node[1-3]"),
     )
     try:
