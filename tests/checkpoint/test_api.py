@@ -30,6 +30,7 @@ from dlrover_hpc.checkpoint.testing import (
     remove_job_segments,
 )
 from dlrover_hpc.checkpoint.trainer.saver_connection import InProcessSaver
+from dlrover_hpc.testing import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
@@ -65,10 +66,16 @@ def test_ddp_memory_and_disk_saves_persist_commit_and_restore(tmp_path: Path, jo
             assert ckpt.save_checkpoint(step, filled_state(step), storage_type=kind)
         assert ckpt.wait_latest_checkpoint(30)
         assert (tmp_path / "dlrover_latest.txt").read_text() == "6\n"
-        assert sorted(p.name for p in tmp_path.glob("*.pt")) == [
-            "checkpoint-4.pt",
-            "checkpoint-6.pt",
-        ]
+        # keep_last=2: the saver removes step 2 right after it commits step 6; the wait can
+        # return from the commit record on storage in between (cc28)
+        wait_for(
+            lambda: (
+                sorted(p.name for p in tmp_path.glob("*.pt"))
+                == ["checkpoint-4.pt", "checkpoint-6.pt"]
+            ),
+            timeout_s=10,
+            what="keep_last=2 to remove checkpoint-2.pt",
+        )
         check_filled(torch.load(tmp_path / "checkpoint-6.pt"), 6)  # plain torch.load
         assert len(job_segments(job)) == 2  # double-buffered
 
