@@ -341,6 +341,11 @@ class Job:
                     self._remove_node(node, reason)
         if self.phase not in FORMING:
             return None
+        if not self._stores.ready():
+            # torch is still importing in the background (many seconds on a loaded node): a
+            # round formed now would block the event loop in new_store, heartbeats and SSH
+            # keepalives unanswered (cc23, cc30: every agent of a job lost at once). Next tick.
+            return None
         waiting = self._waiting()
         decision = decide(
             params=self.params,

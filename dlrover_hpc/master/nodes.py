@@ -46,6 +46,10 @@ class StoreFactory(Protocol):
 
     def new_store(self, round: int) -> int: ...
 
+    def ready(self) -> bool:
+        """new_store would not block (the factory's own set-up is done)."""
+        ...
+
 
 class Clock(Protocol):
     def __call__(self) -> float: ...

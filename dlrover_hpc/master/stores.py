@@ -29,6 +29,10 @@ class TorchStores:
         except BaseException as e:  # raised again by the first new_store
             self._import_error = e
 
+    def ready(self) -> bool:
+        """torch is imported: :meth:`new_store` will not block (the master's event loop)."""
+        return not self._imported.is_alive()
+
     def new_store(self, round: int) -> int:
         from datetime import timedelta
 

@@ -25,6 +25,9 @@ class FakeStores:
     def __init__(self) -> None:
         self.rounds: list[int] = []
 
+    def ready(self) -> bool:
+        return True
+
     def new_store(self, round: int) -> int:
         self.rounds.append(round)
         return 40000 + round

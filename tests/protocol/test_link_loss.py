@@ -71,6 +71,9 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]))
 class _NoStores:
     """Rounds never complete here (2 nodes wanted, 1 joins): no torch store is ever made."""
 
+    def ready(self) -> bool:
+        return True
+
     def new_store(self, round: int) -> int:
         raise AssertionError("no round completes in this test")
 

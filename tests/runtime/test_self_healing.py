@@ -46,7 +46,9 @@ def test_killed_agent_is_relaunched_in_the_allocation(
     job = sbatch(
         shared_tmp,
         3,
-        *_args(shared_tmp, steps=120),
+        # 300 steps: the relaunched agent must join before the training ends (with 120 the
+        # job once ended first, cc30)
+        *_args(shared_tmp, steps=300),
         extra=("-w", "node[1-3]"),
         master_opts="--replacement-sbatch=off",  # only a relaunch can bring node3 back
     )
@@ -65,7 +67,7 @@ def test_killed_agent_is_relaunched_in_the_allocation(
     assert sorted(named(evs, "rendezvous_complete")[-1]["nodes"]) == ["node1", "node2", "node3"]
     assert named(evs, "job_finished")[-1]["restart_count"] == 0
     result = json.loads((shared_tmp / "result.json").read_text())
-    assert result["final_step"] == 120 and result["group_world_size"] == 3
+    assert result["final_step"] == 300 and result["group_world_size"] == 3
     relaunch_out = list((shared_tmp / ".dlrover-hpc" / job).glob("relaunch-node3-*.out"))
     assert relaunch_out, "the relaunched agent's output is kept in the job directory"
 
