@@ -110,9 +110,14 @@ def set_title(title: str) -> None:
         comm.write(os.path.basename(sys.executable)[:15])
 
 
+def _python_argv(argv: Sequence[str], *, module: bool) -> list[str]:
+    """The command line torchrun starts a Python worker with."""
+    return [sys.executable, "-u", *(["-m"] if module else []), *argv]
+
+
 def worker_title(argv: Sequence[str], *, module: bool) -> str:
     """A worker's process title: the command line torchrun would have started it with."""
-    return " ".join([sys.executable, "-u", *(["-m"] if module else []), *argv])
+    return " ".join(_python_argv(argv, module=module))
 
 
 def _run(parent_pid: int, argv: list[str], *, module: bool) -> None:
@@ -364,8 +369,7 @@ def client(socket_path: str, argv: list[str], *, module: bool, parent_pid: int) 
 
 def _exec_directly(argv: list[str], *, module: bool) -> None:
     hold_requeue_signal(os.environ)
-    args = [sys.executable, "-u", *(["-m"] if module else []), *argv]
-    os.execv(sys.executable, args)
+    os.execv(sys.executable, _python_argv(argv, module=module))
 
 
 # -------------------------------------------------------------------- agent side
