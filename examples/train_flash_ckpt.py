@@ -7,7 +7,9 @@ after a worker crash).  It saves to memory every --save-every steps and to disk 
 With --fail-at-step N --fail-rank R the rank SIGKILLs itself once (a marker file in the
 checkpoint directory remembers it) to demonstrate recovery.  With --sharded every rank saves
 a state of its own (RankCheckpointer; a rank-specific tensor proves each rank got its own
-part back), and --replicas N copies each node's parts to N peer nodes' memory.
+part back), and --replicas N copies each node's parts to N peer nodes' memory.  With
+--inprocess the training function runs under `dlrover_hpc.trainer.inprocess.wrap`: on a
+membership change the surviving processes change rounds without a restart.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dlrover_hpc.checkpoint import DdpCheckpointer, RankCheckpointer, StorageType
+from dlrover_hpc.trainer import inprocess
 
 
 def main() -> None:
@@ -54,9 +57,13 @@ def main() -> None:
         help="process group backend (auto: nccl with a GPU, gloo without, only when WORLD_SIZE>1; "
         "naming one starts a group even for one process)",
     )
+    p.add_argument("--inprocess", action="store_true", help="survivors change rounds in-process")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    (inprocess.wrap(train) if args.inprocess else train)(args)
 
+
+def train(args: argparse.Namespace) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else None
@@ -75,71 +82,79 @@ def main() -> None:
 
     kind = RankCheckpointer if args.sharded else DdpCheckpointer
     ckpt = kind(args.ckpt_dir, keep_last=args.keep_last, replica_count=args.replicas)
-    template = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-    if args.sharded:
-        template["rank_data"] = torch.zeros(4096)
-    state = ckpt.load_checkpoint(state_dict=template)
-    start = 0
-    if state:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        start = int(state["step"])
-        if args.sharded:  # this rank's own part, of that step
-            mine = state["rank_data"]
-            assert bool((mine == rank * 100000 + start).all()), f"rank {rank}: not its part"
-    restored = ckpt.last_restored
+    try:
+        template = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        if args.sharded:
+            template["rank_data"] = torch.zeros(4096)
+        state = ckpt.load_checkpoint(state_dict=template)
+        start = 0
+        if state:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            start = int(state["step"])
+            if args.sharded:  # this rank's own part, of that step
+                mine = state["rank_data"]
+                assert bool((mine == rank * 100000 + start).all()), f"rank {rank}: not its part"
+        restored = ckpt.last_restored
 
-    gen = torch.Generator().manual_seed(1234 + rank)
-    loss = torch.tensor(0.0)
-    for step in range(start + 1, args.steps + 1):
-        x = torch.randn(16, 32, generator=gen).to(device or "cpu")
-        loss = (net(x) - x.sum(dim=1, keepdim=True) * 0.1).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if args.step_time:
-            time.sleep(args.step_time)
-        if step % args.save_every == 0:
-            disk = step % args.persist_every == 0 or step == args.steps
-            saved = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
-            if args.sharded:
-                saved["rank_data"] = torch.full((4096,), float(rank * 100000 + step))
-            ckpt.save_checkpoint(
-                step, saved, storage_type=StorageType.DISK if disk else StorageType.MEMORY
-            )
-        if rank == 0 and args.timing_log:
-            with open(args.timing_log, "a") as f:
-                f.write(f"{time.time()} {step}\n")
-        stalled = os.path.join(args.ckpt_dir, f".stalled-once-{args.fail_rank}")
-        if step == args.stall_at_step and rank == args.fail_rank and not os.path.exists(stalled):
-            os.makedirs(args.ckpt_dir, exist_ok=True)
-            with open(stalled, "w") as f:
-                f.write(str(step))
-            time.sleep(3600)  # a stuck node: the test kills it
-        marker = os.path.join(args.ckpt_dir, f".failed-once-{args.fail_rank}")
-        if step == args.fail_at_step and rank == args.fail_rank and not os.path.exists(marker):
-            os.makedirs(args.ckpt_dir, exist_ok=True)
-            with open(marker, "w") as f:
-                f.write(str(step))
-            os.kill(os.getpid(), signal.SIGKILL)
+        gen = torch.Generator().manual_seed(1234 + rank)
+        loss = torch.tensor(0.0)
+        for step in range(start + 1, args.steps + 1):
+            x = torch.randn(16, 32, generator=gen).to(device or "cpu")
+            loss = (net(x) - x.sum(dim=1, keepdim=True) * 0.1).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if args.step_time:
+                time.sleep(args.step_time)
+            if step % args.save_every == 0:
+                disk = step % args.persist_every == 0 or step == args.steps
+                saved = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
+                if args.sharded:
+                    saved["rank_data"] = torch.full((4096,), float(rank * 100000 + step))
+                ckpt.save_checkpoint(
+                    step, saved, storage_type=StorageType.DISK if disk else StorageType.MEMORY
+                )
+            if rank == 0 and args.timing_log:
+                with open(args.timing_log, "a") as f:
+                    f.write(f"{time.time()} {step}\n")
+            stalled = os.path.join(args.ckpt_dir, f".stalled-once-{args.fail_rank}")
+            if (
+                step == args.stall_at_step
+                and rank == args.fail_rank
+                and not os.path.exists(stalled)
+            ):
+                os.makedirs(args.ckpt_dir, exist_ok=True)
+                with open(stalled, "w") as f:
+                    f.write(str(step))
+                time.sleep(3600)  # a stuck node: the test kills it
+            marker = os.path.join(args.ckpt_dir, f".failed-once-{args.fail_rank}")
+            if step == args.fail_at_step and rank == args.fail_rank and not os.path.exists(marker):
+                os.makedirs(args.ckpt_dir, exist_ok=True)
+                with open(marker, "w") as f:
+                    f.write(str(step))
+                os.kill(os.getpid(), signal.SIGKILL)
 
-    committed = ckpt.wait_latest_checkpoint(120)
-    if rank == 0 and args.result:
-        with open(args.result, "w") as f:
-            json.dump(
-                {
-                    "start_step": start,
-                    "restored": list(restored) if restored else None,
-                    "final_step": args.steps,
-                    "loss": float(loss.detach()),
-                    "committed": committed,
-                    "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                    "device": str(device or "cpu"),
-                    "backend": dist.get_backend() if grouped else None,
-                },
-                f,
-            )
-    ckpt.close()
+        committed = ckpt.wait_latest_checkpoint(120)
+        if rank == 0 and args.result:
+            with open(args.result, "w") as f:
+                json.dump(
+                    {
+                        "start_step": start,
+                        "restored": list(restored) if restored else None,
+                        "final_step": args.steps,
+                        "loss": float(loss.detach()),
+                        "committed": committed,
+                        "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                        "device": str(device or "cpu"),
+                        "backend": dist.get_backend() if grouped else None,
+                        "pid": os.getpid(),
+                        "inprocess_restarts": inprocess.restarts(),
+                    },
+                    f,
+                )
+    finally:
+        ckpt.close()  # also when the round changes in-process: the next attempt opens its own
     if grouped:
         dist.barrier()
         dist.destroy_process_group()

@@ -13,6 +13,7 @@ import socket
 import time
 from pathlib import Path
 
+from dlrover_hpc import membership
 from dlrover_hpc.agent import promotion
 from dlrover_hpc.agent import watchdog as wd
 from dlrover_hpc.agent.decisions import Next, Outcome, on_assignment, round_outcome, round_over
@@ -104,6 +105,8 @@ class Agent:
         self._stop = asyncio.Event()
         self._round_changed = asyncio.Event()
         self._master_gone = False  # the link gave up reconnecting
+        # The workers left the last round in-process and wait for the next (issue 26).
+        self._kept = False
 
     # -------------------------------------------------------------- setup
     async def _open_link(self) -> None:
@@ -291,7 +294,15 @@ class Agent:
             # is not done yet, wait for it (bounded) rather than start every worker afresh.
             with contextlib.suppress(OSError, ValueError):  # it stopped meanwhile
                 await asyncio.to_thread(self.zygote.ready, ZYGOTE_WAIT_S)
-        pids = self.workers.start(a, env)
+        kept, self._kept = self._kept, False
+        if kept and self.workers.running and self.workers.poll() is None:
+            pids = self.workers.rejoin(a, env)  # the same processes, in the new round
+        else:
+            if kept:
+                log.info("a kept worker ended meanwhile: starting new workers")
+                await self._stop_workers()
+            kept = False
+            pids = self.workers.start(a, env)
         self.watchdog.start_round(
             {lr: (a.rank_offset + lr, pid, progress_file.format(lr)) for lr, pid in pids.items()}
         )
@@ -300,7 +311,9 @@ class Agent:
         # whatever runs); ours only set an event that the monitor loop acts on.
         self._install_signals()
         await self.link.request(
-            m.WorkersStarted(agent_id=self.agent_id, round=a.round, pids=list(pids.values())),
+            m.WorkersStarted(
+                agent_id=self.agent_id, round=a.round, pids=list(pids.values()), in_process=kept
+            ),
             m.Ack,
             timeout_s=30,
         )
@@ -327,6 +340,8 @@ class Agent:
             )
             return outcome
         if outcome is Outcome.ROUND_CHANGED:
+            if await self._leave_in_process(env):
+                return outcome
             await self._stop_workers()
             await self._report_logged_hardware_fault(a)
             return outcome
@@ -352,6 +367,29 @@ class Agent:
             )
         await self._stop_workers()
         return outcome
+
+    async def _leave_in_process(self, env: dict[str, str]) -> bool:
+        """Workers under the in-process wrapper leave the round and stay for the next one
+        (:mod:`dlrover_hpc.membership`); False: end them as usual (not all of them opted in,
+        one is stopped by a signal, or one did not leave in time)."""
+        if not self.workers.kept_in_process(env) or self.watchdog.any_stopped_process():
+            return False
+        leave = membership.Notice(self.round + 1, membership.LEAVE)
+        records = [env[PATH_ENV].format(lr) for lr in range(self.config.nproc_per_node)]
+        for record in records:
+            membership.tell(record, leave)
+        deadline = time.monotonic() + self.watchdog.leave_wait_s()
+        while time.monotonic() < deadline:
+            if all(membership.left(r) >= leave.round for r in records):
+                self.watchdog.stop_round(kept=True)
+                self._kept = True
+                log.info("workers left round=%d in-process; they wait for the next", self.round)
+                return True
+            if self.workers.poll() is not None:  # one ended instead
+                break
+            await asyncio.sleep(0.02)
+        log.warning("workers did not leave round=%d in-process: ending them", self.round)
+        return False
 
     async def _report_logged_hardware_fault(self, a: m.Assignment) -> None:
         assert self.link is not None

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 
 import psutil
 
-from dlrover_hpc import progress
+from dlrover_hpc import membership, progress
 from dlrover_hpc.agent.master_link import MasterLink
 from dlrover_hpc.agent.worker_hooks import STACK_SIGNAL, stack_file
 from dlrover_hpc.config import HANG_AUTO
@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 PY_SPY_TIMEOUT_S = 10.0
 BUSY_CPU = 0.02  # of one core: a worker with no step signal that uses this much is working
 FAULTHANDLER_WAIT_S = 2.0
+#: the least time kept workers get to leave a round in-process (see Watchdog.leave_wait_s)
+LEAVE_WAIT_S = 5.0
 
 
 def _base() -> str:
@@ -59,7 +61,9 @@ def progress_template(job_id: str, node: str, agent_pid: int | None = None) -> s
     return os.path.join(_base(), f"dlrover-hpc-{safe}-a{pid}-{{}}.progress")
 
 
-_RECORD_NAME = re.compile(r"^dlrover-hpc-.*-a(\d+)-\d+\.progress(\.stack)?$")
+_RECORD_NAME = re.compile(
+    r"^dlrover-hpc-.*-a(\d+)-\d+\.progress(\.stack|\.round|\.left|\.inprocess)?$"
+)
 
 
 def sweep_stale() -> list[str]:
@@ -211,12 +215,42 @@ class Watchdog:
                 if psutil.Process(r.pid).status() == psutil.STATUS_STOPPED:
                     os.kill(r.pid, signal.SIGCONT)
 
-    def stop_round(self) -> None:
+    def stop_round(self, *, kept: bool = False) -> None:
+        """The round's workers are gone, or ``kept`` for the next round (in-process): their
+        records stay, the workers write into them still."""
         for r in self._ranks.values():
+            if kept:
+                continue
             for path in (r.path, stack_file(r.path)):
                 with contextlib.suppress(OSError):
                     os.unlink(path)
+            membership.clear(r.path)
         self._ranks = {}
+
+    def pids(self) -> dict[int, int]:
+        return {lr: r.pid for lr, r in self._ranks.items()}
+
+    def leave_wait_s(self) -> float:
+        """How long kept workers may take to leave a round: they leave at their next
+        collective, so a few of their step times (p99), at least LEAVE_WAIT_S."""
+        p99 = [
+            record.p99_s
+            for r in self._ranks.values()
+            if (record := progress.read(r.path)) is not None
+        ]
+        return max([LEAVE_WAIT_S, *(3 * p for p in p99)])
+
+    def any_stopped_process(self) -> bool:
+        """A worker stopped by a signal (SIGSTOP, a debugger): it cannot leave a round."""
+        for r in self._ranks.values():
+            r.seen(progress.read(r.path))  # the worker's own pid (not a zygote client's)
+            with contextlib.suppress(psutil.Error):
+                if psutil.Process(r.pid).status() in (
+                    psutil.STATUS_STOPPED,
+                    psutil.STATUS_TRACING_STOP,
+                ):
+                    return True
+        return False
 
     def poll(self) -> list[m.RankProgress]:
         """Each worker's step and how long since it last progressed."""

@@ -10,13 +10,14 @@ import signal
 import sys
 from collections.abc import Mapping
 
+import psutil
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResult
 
+from dlrover_hpc import membership, progress
 from dlrover_hpc.agent.zygote import REQUEUE_BY_ENV, Zygote, exec_args, run_args
 from dlrover_hpc.config import RunConfig
 from dlrover_hpc.jobdir import PARAL_CONFIG, PARAL_CONFIG_ENV
-from dlrover_hpc.progress import PATH_ENV
 from dlrover_hpc.protocol.messages import Assignment
 from dlrover_hpc.slurm.env import worker_task_env
 
@@ -76,8 +77,8 @@ def worker_env(
         "PYTHONUNBUFFERED": "1",
         **extra,
     }
-    if PATH_ENV in extra:  # a template: one progress record per worker
-        env[PATH_ENV] = extra[PATH_ENV].format(local_rank)
+    if progress.PATH_ENV in extra:  # a template: one progress record per worker
+        env[progress.PATH_ENV] = extra[progress.PATH_ENV].format(local_rank)
     if "DLROVER_HPC_JOB_DIR" in extra and PARAL_CONFIG_ENV not in os.environ:
         # DLRover's parallelism config: ElasticDataLoader reads its batch size from it after
         # each optimizer step; `dlrover-hpc batch-size N` rewrites it during training.
@@ -141,6 +142,9 @@ class WorkerGroup:
             local_ranks_filter=ranks_filter,
         )
         self._rank_offset = assignment.rank_offset
+        for env in envs.values():
+            if progress.PATH_ENV in env:  # a new process: no word of an earlier one's rounds
+                membership.clear(env[progress.PATH_ENV])
         prefixes = {lr: f"[rank{assignment.rank_offset + lr}]:" for lr in range(cfg.nproc_per_node)}
         self._ctx = start_processes(
             name=f"dlrover-hpc-{cfg.role}",
@@ -155,6 +159,37 @@ class WorkerGroup:
         pids = dict(self._ctx.pids())
         log.info(
             "workers started round=%d node_rank=%d pids=%s",
+            assignment.round,
+            assignment.node_rank,
+            list(pids.values()),
+        )
+        return pids
+
+    def kept_in_process(self, extra_env: Mapping[str, str]) -> bool:
+        """Whether every worker runs the in-process wrapper (:mod:`dlrover_hpc.membership`)."""
+        if self._ctx is None or progress.PATH_ENV not in extra_env:
+            return False
+        for lr in range(self.config.nproc_per_node):
+            record = extra_env[progress.PATH_ENV].format(lr)
+            pid = membership.opted_in(record)
+            reported = progress.read(record)  # the worker's pid: torch's may be a zygote client
+            if pid is None or not psutil.pid_exists(pid):
+                return False
+            if reported is not None and reported.pid != pid:
+                return False  # a new process that has not opted in (yet)
+        return True
+
+    def rejoin(self, assignment: Assignment, extra_env: Mapping[str, str]) -> dict[int, int]:
+        """Tell the kept workers their place in ``assignment``'s round (they left the last)."""
+        assert self._ctx is not None
+        for lr in range(self.config.nproc_per_node):
+            env = worker_env(self.config, assignment, local_rank=lr, extra=extra_env)
+            notice = membership.Notice(assignment.round, membership.JOIN, env)
+            membership.tell(env[progress.PATH_ENV], notice)
+        self._rank_offset = assignment.rank_offset
+        pids = dict(self._ctx.pids())
+        log.info(
+            "workers kept round=%d node_rank=%d pids=%s",
             assignment.round,
             assignment.node_rank,
             list(pids.values()),

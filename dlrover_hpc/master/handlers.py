@@ -222,6 +222,7 @@ class AgentHandlers:
             node_rank=rec.rank,
             round=msg.round,
             pids=msg.pids,
+            in_process=msg.in_process,
             restart_count=self.job.restart_count,
         )
         return m.Ack()

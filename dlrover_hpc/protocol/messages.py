@@ -159,6 +159,8 @@ class WorkersStarted(Message):
     agent_id: str
     round: int
     pids: list[int]
+    #: the same processes as the last round's, which changed rounds in-process (issue 26)
+    in_process: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

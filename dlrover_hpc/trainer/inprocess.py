@@ -1,0 +1,229 @@
+"""Recovery without a new process: the surviving workers change rounds in-process (issue 26).
+
+Under ``dlrover-run`` a membership change (a node lost, a node joining, a worker of another
+node dead) ends every worker of the job and starts new processes: a new interpreter,
+``import torch``, a CUDA context, the model built again.  A training function wrapped with
+:func:`wrap` keeps its process instead::
+
+    from dlrover_hpc.trainer import inprocess
+
+    @inprocess.wrap
+    def train(args):
+        dist.init_process_group("gloo")  # from the environment, as under torchrun
+        ...                               # build, restore (flash checkpoint), train
+        dist.destroy_process_group()
+
+    train(args)
+
+When the agent says a new round is coming, the wrapper makes the function leave the round:
+it aborts NCCL's communicators and shuts down the TCP connections the function opened
+(gloo's peers, the round's store), so a collective that waits on a lost peer fails at once
+instead of after its timeout.  The function's exception ends the attempt; the wrapper tears
+the process group down, tells the agent it has left, waits for the new round, takes its
+environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``TORCHELASTIC_RESTART_COUNT``, ...) and calls the function again in the same process.  The
+function restores as it does at any start: the flash checkpointer finds the newest step in
+the node's shared memory (a replaced rank gets its part from a peer), so the survivors pay
+for a restore from memory and a new process group, not for a new process.
+
+What stays as it was:
+
+- a worker of *this* node that dies, or one that does not leave within a few seconds (a
+  stopped or deadlocked rank), is replaced the usual way: the agent ends this node's workers
+  and starts new ones, which run the wrapped function from the top;
+- an exception that no round change explains (a bug, an out-of-memory) ends the process as
+  before: the wrapper waits ``DLROVER_HPC_INPROCESS_WAIT_S`` (60 s) for the agent's word after
+  a failed collective, since a lost peer is often seen before the master has decided;
+- outside ``dlrover-run`` the wrapper only calls the function.
+
+What the function holds across attempts is up to it: everything it creates is created again
+(a model, an optimizer, a checkpointer; close a checkpointer in a ``finally`` where you can),
+module-level state stays (imported modules, a CUDA context, a dataset cached in a global).
+:func:`restarts` is how many times this process has changed rounds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+import torch.distributed as dist
+
+from dlrover_hpc import membership
+from dlrover_hpc.progress import PATH_ENV
+
+P = ParamSpec("P")
+R = TypeVar("R")
+log = logging.getLogger(__name__)
+
+#: how often a worker looks for the agent's notice (one small file read)
+POLL_S = 0.05
+WAIT_ENV = "DLROVER_HPC_INPROCESS_WAIT_S"
+#: after an exception with no notice yet, how long to wait for one before failing as before
+DEFAULT_WAIT_S = 60.0
+ROUND_ENV = "DLROVER_HPC_ROUND"
+_TCP_LISTEN = "0A"  # the state column of /proc/net/tcp
+
+_restarts = 0
+
+
+def restarts() -> int:
+    """How many times this process has left a round and joined the next."""
+    return _restarts
+
+
+def wrap(fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn`` runs again in this process after a membership change (see the module text)."""
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        record = os.environ.get(PATH_ENV, "")
+        if not record:  # not under dlrover-run: no agent to tell us of a round
+            return fn(*args, **kwargs)
+        return _attempts(record, functools.partial(fn, *args, **kwargs))
+
+    return run
+
+
+def _attempts(record: str, call: Callable[[], R]) -> R:
+    global _restarts
+    membership.opt_in(record, os.getpid())
+    while True:
+        base = int(os.environ.get(ROUND_ENV, "0"))
+        watch = _Watch(record, base, before=_tcp_sockets())
+        watch.start()
+        try:
+            return call()
+        except Exception as exc:
+            notice = watch.wait(_wait_s())
+            if notice is None:
+                raise  # no round change explains it: fail as a worker always did
+            _say(f"leaves round {base} ({type(exc).__name__}: {str(exc)[:200]})")
+        finally:
+            watch.stop()
+        left_at = time.monotonic()
+        watch.leave()  # what the function opened since the watch began, if not done yet
+        _tear_down()
+        membership.acknowledge_left(record, notice.round)
+        joined = _await_join(record, base)
+        os.environ.update(joined.env)
+        _restarts += 1
+        _say(
+            f"joins round {joined.round} as rank {joined.env.get('RANK')} of "
+            f"{joined.env.get('WORLD_SIZE')} after {time.monotonic() - left_at:.2f} s "
+            f"(in-process restart {_restarts})"
+        )
+
+
+def _wait_s() -> float:
+    try:
+        return max(0.0, float(os.environ.get(WAIT_ENV, DEFAULT_WAIT_S)))
+    except ValueError:
+        return DEFAULT_WAIT_S
+
+
+def _say(text: str) -> None:
+    print(f"dlrover-run: rank {os.environ.get('RANK', '?')} {text}", file=sys.stderr, flush=True)
+
+
+class _Watch(threading.Thread):
+    """Looks for the agent's notice of a round after ``base``; makes the function leave."""
+
+    def __init__(self, record: str, base: int, *, before: dict[int, int]) -> None:
+        super().__init__(name="dlrover-hpc-inprocess", daemon=True)
+        self._record, self._base, self._before = record, base, before
+        self._stopped = threading.Event()
+        self._noticed = threading.Event()
+        self._left = False
+        self._lock = threading.Lock()
+        self.notice: membership.Notice | None = None
+
+    def run(self) -> None:
+        while not self._stopped.wait(POLL_S):
+            notice = membership.read_notice(self._record)
+            if notice is not None and notice.round > self._base:
+                self.notice = notice
+                self.leave()
+                self._noticed.set()
+                return
+
+    def wait(self, timeout_s: float) -> membership.Notice | None:
+        self._noticed.wait(timeout_s)
+        return self.notice
+
+    def leave(self) -> None:
+        with self._lock:
+            if not self._left:
+                self._left = True
+                _leave_collectives(self._before)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+def _leave_collectives(before: dict[int, int]) -> None:
+    """Make every collective of the process group fail now: abort NCCL's communicators, shut
+    down the TCP connections opened since ``before`` (gloo's pairs, the store's client)."""
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # a group torn down meanwhile
+            if "nccl" in str(dist.get_backend()).lower():
+                abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+                if abort is not None:
+                    abort()
+    for fd, inode in _tcp_sockets().items():
+        if before.get(fd) == inode:
+            continue  # the script's own, from before this attempt
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue  # closed meanwhile
+        with sock, contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # the socket, not only this descriptor
+
+
+def _tcp_sockets() -> dict[int, int]:
+    """This process's connected TCP sockets: descriptor -> socket inode.  Not a listening
+    socket: gloo's listener ends the process (std::terminate) when its accept fails."""
+    inodes: set[int] = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            next(f, None)
+            for line in f:
+                fields = line.split()
+                if len(fields) > 9 and fields[3] != _TCP_LISTEN:
+                    inodes.add(int(fields[9]))
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and int(target[8:-1]) in inodes:
+            found[int(name)] = int(target[8:-1])
+    return found
+
+
+def _tear_down() -> None:
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # its connections are gone already
+            dist.destroy_process_group()
+    gc.collect()  # the attempt's model, optimizer and DDP reducer, before the next builds
+
+
+def _await_join(record: str, base: int) -> membership.Notice:
+    """Wait for the agent's ``join`` of a round after ``base``: as long as rendezvous takes
+    (a replacement node may be on its way); the worker dies with its agent."""
+    while True:
+        notice = membership.read_notice(record)
+        if notice is not None and notice.phase == membership.JOIN and notice.round > base:
+            return notice
+        time.sleep(POLL_S)

@@ -1,0 +1,108 @@
+"""In-process recovery (issue 26) on the real local Slurm: the surviving workers keep their
+processes through a worker killed on another node and through a node lost; only the failed
+node's workers are new processes; every step is trained and restored from memory."""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from runtime_helpers import TRAIN, events, named, sbatch, wait_job
+
+from dlrover_hpc.testing import LocalSlurm, wait_for
+
+pytestmark = pytest.mark.slurm
+FLASH = TRAIN.parent / "train_flash_ckpt.py"
+STEPS = 240
+
+
+def _steps(work: Path) -> list[int]:
+    log = work / "timing.log"
+    if not log.exists():
+        return []
+    rows = [line.split() for line in log.read_text().splitlines()]
+    return [int(r[1]) for r in rows if len(r) == 2]
+
+
+def _rounds(evs: list[dict]) -> dict[int, dict[str, dict]]:
+    """round -> node -> its workers_started event."""
+    out: dict[int, dict[str, dict]] = collections.defaultdict(dict)
+    for e in named(evs, "workers_started"):
+        out[e["round"]][e["node"]] = e
+    return out
+
+
+def test_survivors_keep_their_processes_through_a_worker_kill_and_a_node_loss(
+    local_slurm: LocalSlurm, shared_tmp: Path
+) -> None:
+    work = shared_tmp
+    (work / "ckpt").mkdir()
+    job = sbatch(
+        work,
+        3,
+        "--nnodes=2:3",
+        "--nproc-per-node=2",
+        "--max-restarts=3",
+        str(FLASH),
+        "--inprocess",
+        f"--steps={STEPS}",
+        f"--ckpt-dir={work / 'ckpt'}",
+        "--save-every=1",
+        "--persist-every=40",
+        "--step-time=0.05",
+        "--fail-at-step=40",
+        "--fail-rank=3",
+        f"--result={work / 'result.json'}",
+        f"--timing-log={work / 'timing.log'}",
+    )
+    job_dir = work / ".dlrover-hpc" / job
+    try:
+        wait_for(
+            lambda: any(s >= 90 for s in _steps(work)),
+            timeout_s=240,
+            what="training past the worker kill at step 40",
+        )
+        local_slurm.kill_node("node3")  # its agent and workers, as if it lost power
+        fields = wait_job(job, timeout_s=420)
+    finally:
+        subprocess.run(["scancel", job], check=False, timeout=30)  # a no-op once it ended
+        local_slurm.restart_node("node3")
+    out = (work / f"slurm-{job}.out").read_text()
+    assert fields["JobState"] == "COMPLETED", out[-4000:]
+    evs = events(job_dir)
+
+    [failed] = named(evs, "worker_failed")
+    assert failed["rank"] == 3 and failed["signal"] == "SIGKILL", failed
+    assert [e["node"] for e in named(evs, "node_lost")] == ["node3"]
+    rounds = _rounds(evs)
+    order = sorted(rounds)
+    assert len(order) == 3, {r: sorted(n) for r, n in rounds.items()}  # start, kill, loss
+    first, after_kill, after_loss = (rounds[r] for r in order)
+    assert set(first) == set(after_kill) == {"node1", "node2", "node3"}
+    assert set(after_loss) == {"node1", "node2"}
+    # The kill: the failed worker's node starts new processes, the others keep theirs.
+    for node, started in after_kill.items():
+        if node == failed["node"]:
+            assert not started["in_process"] and started["pids"] != first[node]["pids"]
+        else:
+            assert started["in_process"], started
+            assert started["pids"] == first[node]["pids"], (node, started, first[node])
+    # The node loss: both survivors keep their processes.
+    for node, started in after_loss.items():
+        assert started["in_process"], started
+        assert started["pids"] == after_kill[node]["pids"], (node, started, after_kill[node])
+    assert "in-process restart" in out, out[-4000:]
+
+    # Every step trained; a restart goes back to the newest step in memory (saved every step).
+    steps = _steps(work)
+    assert set(range(1, STEPS + 1)) <= set(steps), sorted(set(range(1, STEPS + 1)) - set(steps))
+    redone = len(steps) - len(set(steps))
+    assert redone <= 2 * 3, (redone, steps)  # at most a step or two per restart, two restarts
+    later = [e for e in named(evs, "checkpoint_restored") if e["time"] > failed["time"]]
+    assert len(later) == 6 + 4, later  # every rank of the two later rounds restored once
+    assert all(e["source"] in ("memory", "peer") and e["step"] > 0 for e in later), later
+    result = json.loads((work / "result.json").read_text())
+    assert result["final_step"] == STEPS and result["committed"], result
