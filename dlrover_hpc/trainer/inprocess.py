@@ -71,6 +71,7 @@ WAIT_ENV = "DLROVER_HPC_INPROCESS_WAIT_S"
 #: after an exception with no notice yet, how long to wait for one before failing as before
 DEFAULT_WAIT_S = 60.0
 ROUND_ENV = "DLROVER_HPC_ROUND"
+NCCL_ERRORS_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 _TCP_LISTEN = "0A"  # the state column of /proc/net/tcp
 
 _restarts = 0
@@ -96,6 +97,9 @@ def wrap(fn: Callable[P, R]) -> Callable[P, R]:
 
 def _attempts(record: str, call: Callable[[], R]) -> R:
     global _restarts
+    if os.environ.get(NCCL_ERRORS_ENV) == "1":
+        # 1 tears the process down on a communicator error: one we abort included
+        os.environ[NCCL_ERRORS_ENV] = "2"  # abort the communicators, raise, keep the process
     membership.opt_in(record, os.getpid())
     while True:
         base = int(os.environ.get(ROUND_ENV, "0"))

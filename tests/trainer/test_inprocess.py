@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed import TCPStore
 
 from dlrover_hpc import membership
@@ -32,16 +33,21 @@ from dlrover_hpc.trainer import inprocess
 
 out = sys.argv[1]
 
+backend = os.environ.get("BACKEND", "gloo")
+device = "cuda" if backend == "nccl" else "cpu"
+if device == "cuda":
+    torch.cuda.set_device(0)
+
 @inprocess.wrap
 def train():
-    dist.init_process_group("gloo")
+    dist.init_process_group(backend)
     rank, world, rnd = dist.get_rank(), dist.get_world_size(), os.environ["DLROVER_HPC_ROUND"]
-    flag = torch.zeros(2)
+    flag = torch.zeros(2, device=device)
     n = 0
     while True:
         flag[0], flag[1] = 1.0, float(os.path.exists(f"{out}/stop-{rnd}"))
         dist.all_reduce(flag)  # blocks while a peer is stopped; fails once one is gone
-        assert flag[0] == world
+        assert flag[0].item() == world
         n += 1
         if n == 3:
             open(f"{out}/running-{rnd}-{os.getpid()}", "w").close()
@@ -85,7 +91,9 @@ class Workers:
         self.records: list[str] = []
         self.rounds: list[Round] = []  # each store lives as long as the test
 
-    def start(self, n: int, rnd: Round, extra: dict[str, str] | None = None) -> None:
+    def start(
+        self, n: int, rnd: Round, extra: dict[str, str] | None = None, backend: str = "gloo"
+    ) -> None:
         self.rounds.append(rnd)
         script = self.out / "worker.py"
         script.write_text(WORKER)
@@ -96,6 +104,10 @@ class Workers:
                 **rnd.env(1, rank, n),
                 "DLROVER_HPC_PROGRESS_FILE": record,
                 "OMP_NUM_THREADS": "1",
+                "BACKEND": backend,
+                # NCCL refuses two ranks of one host on one GPU: each process a "host" of its own
+                "NCCL_HOSTID": f"inprocess-test-{rank}",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # as dlrover-run sets it
                 **(extra or {}),
             }
             self.records.append(record)
@@ -188,6 +200,34 @@ def test_survivors_leave_a_collective_that_lost_a_peer(workers: Workers, fault: 
     assert {i: (r["rank"], r["world"]) for i, r in results.items()} == {0: (1, 2), 2: (0, 2)}
     assert all(r["restarts"] == 1 for r in results.values()), results
     print(f"{fault}: the survivors left in {took:.2f} s")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL)")
+@pytest.mark.parametrize("fault", ["none", "SIGSTOP"])
+def test_nccl_communicators_abort_and_initialise_again(workers: Workers, fault: str) -> None:
+    """Issue 26, item 4: the survivors' NCCL all-reduce waits on the GPU for a stopped peer;
+    the notice aborts the communicators, and the next round's are initialised in-process."""
+    workers.start(3, Round(), backend="nccl")
+    survivors = [0, 1, 2]
+    if fault == "SIGSTOP":
+        workers.procs[1].send_signal(signal.SIGSTOP)
+        survivors = [0, 2]
+        time.sleep(1.0)
+    took = workers.leave(survivors, 2)
+    assert took < 10.0, took  # not NCCL's 10-minute timeout
+    if fault == "SIGSTOP":
+        workers.procs[1].kill()
+    began = time.monotonic()
+    workers.join({i: rank for rank, i in enumerate(survivors)}, 2, Round())
+    wait_for(
+        lambda: len(list(workers.out.glob("running-2-*"))) == len(survivors),
+        timeout_s=60,
+        what="every survivor all-reducing in round 2",
+    )
+    again = time.monotonic() - began
+    results = workers.finish(survivors, 2)
+    assert all(r["restarts"] == 1 and r["world"] == len(survivors) for r in results.values())
+    print(f"NCCL, {fault}: left in {took:.2f} s, all-reducing again {again:.2f} s after the join")
 
 
 def test_an_exception_no_round_change_explains_ends_the_process(workers: Workers) -> None:
