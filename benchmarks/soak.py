@@ -45,6 +45,11 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.1)
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument(
+        "--inprocess",
+        action="store_true",
+        help="the script opts in to in-process recovery (dlrover_hpc.trainer.inprocess)",
+    )
+    p.add_argument(
         "--kinds",
         default=",".join(FaultKind),
         help=f"comma-separated fault kinds (default: all of {', '.join(FaultKind)})",
@@ -67,7 +72,9 @@ def main() -> None:
             seed=args.seed,
             step_time=args.step_time,
             kinds=tuple(FaultKind(k) for k in args.kinds.split(",")),
+            script_args=("--inprocess",) if args.inprocess else (),
         )
+        report["inprocess"] = args.inprocess
     finally:
         cluster.down()
     # The same goodput from the event log alone (dlrover-hpc report), beside rank 0's timing.

@@ -48,8 +48,10 @@ def run_soak(
     spares: int = 1,
     kinds: tuple[FaultKind, ...] = tuple(FaultKind),
     heal_s: dict[FaultKind, float] | None = None,
+    script_args: tuple[str, ...] = (),
 ) -> dict:
-    """Submit the job, inject the faults while it trains, return the analysis as a dict."""
+    """Submit the job, inject the faults while it trains, return the analysis as a dict.
+    ``script_args``: more arguments of the training script (``--inprocess``)."""
     os.chmod(work, 0o1777)
     steps_per_s = 1.0 / max(step_time, 0.01)
     steps = int((duration_s + 60) * steps_per_s * 0.9)  # trains a little past the stream
@@ -76,6 +78,7 @@ def run_soak(
         f"--step-time={step_time}",
         f"--timing-log={timing}",
         f"--result={work / 'result.json'}",
+        *script_args,
     ]
     job = subprocess.run(
         argv, cwd=work, env=env, capture_output=True, text=True, check=True, timeout=30

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dlrover_hpc import progress
+from dlrover_hpc import membership, progress
 from dlrover_hpc.agent import watchdog as wd
 from dlrover_hpc.diagnosis import stacks as st
 from dlrover_hpc.testing import wait_for
@@ -20,7 +20,7 @@ from dlrover_hpc.testing import wait_for
 WORKER = """
 import sys, time
 from dlrover_hpc.agent import worker_hooks
-from dlrover_hpc import progress
+from dlrover_hpc import membership, progress
 worker_hooks.install()
 
 def wait_in_collective():
@@ -171,3 +171,24 @@ def test_a_stopped_workers_stuck_children_are_reaped(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_membership_files_round_trip_and_go_with_the_worker(tmp_path: Path) -> None:
+    """The agent's notices to in-process workers (issue 26): whole JSON by rename, the
+    worker's acknowledgement, and removal with the worker's record."""
+    record = str(tmp_path / "rank0.progress")
+    assert membership.read_notice(record) is None and membership.left(record) == -1
+    assert membership.opted_in(record) is None
+    membership.opt_in(record, 4242)
+    assert membership.opted_in(record) == 4242
+    membership.tell(record, membership.Notice(3, membership.LEAVE))
+    assert membership.read_notice(record) == membership.Notice(3, membership.LEAVE, {})
+    membership.acknowledge_left(record, 3)
+    assert membership.left(record) == 3
+    env = {"RANK": "5", "WORLD_SIZE": "6"}
+    membership.tell(record, membership.Notice(4, membership.JOIN, env))
+    assert membership.read_notice(record) == membership.Notice(4, membership.JOIN, env)
+    Path(record + membership.NOTICE_SUFFIX).write_text('{"round": 5, "pha')  # not ours: torn
+    assert membership.read_notice(record) is None
+    membership.clear(record)
+    assert not list(tmp_path.iterdir())
