@@ -14,7 +14,11 @@ worker's progress record (node-local, ``/dev/shm``):
   ``WORLD_SIZE``, ``MASTER_ADDR``, ...);
 - ``<record>.left``: the round the worker has left, written by the worker once its process
   group is torn down.  An agent that does not see it in time ends the worker and starts a
-  new one (a stopped or deadlocked rank never acknowledges).
+  new one (a stopped or deadlocked rank never acknowledges);
+- ``<record>.broken``: a collective of the worker's round lost a peer (JSON: the round, the
+  error).  A kept worker does not die of it, so without this word the master would learn of
+  the change only from the lost node itself (after a reconnect grace); the agent reports it
+  as a peer-lost failure, and the round re-forms at once.
 
 Nothing here imports torch: the agent uses it as well as the worker.
 """
@@ -25,10 +29,19 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 
 OPT_IN_SUFFIX, NOTICE_SUFFIX, LEFT_SUFFIX = ".inprocess", ".round", ".left"
-SUFFIXES = (OPT_IN_SUFFIX, NOTICE_SUFFIX, LEFT_SUFFIX)
+BROKEN_SUFFIX = ".broken"
+SUFFIXES = (OPT_IN_SUFFIX, NOTICE_SUFFIX, LEFT_SUFFIX, BROKEN_SUFFIX)
 LEAVE, JOIN = "leave", "join"
+#: What a collective that lost a peer raises (gloo, NCCL): a symptom of another rank's fault.
+PEER_LOST = re.compile(
+    r"Connection (closed|reset) by peer|remote worker (crashing|hanging)|"
+    r"NCCL communicator was aborted|ProcessGroupNCCL.*(abort|watchdog)|"
+    r"Socket Timeout|Broken pipe",
+    re.IGNORECASE,
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,6 +91,10 @@ def acknowledge_left(record: str, round_: int) -> None:
     _write(record + LEFT_SUFFIX, str(round_))
 
 
+def report_broken(record: str, round_: int, error: str) -> None:
+    _write(record + BROKEN_SUFFIX, json.dumps({"round": round_, "error": error[:500]}))
+
+
 # ------------------------------------------------------------------- the agent's side
 def opted_in(record: str) -> int | None:
     """The pid of the worker that can change rounds in-process, or None."""
@@ -99,6 +116,16 @@ def left(record: str) -> int:
         return int(text) if text else -1
     except ValueError:
         return -1
+
+
+def broken(record: str) -> tuple[int, str] | None:
+    """The round whose collective lost a peer, and the error; None: none did."""
+    text = _read(record + BROKEN_SUFFIX)
+    try:
+        raw = json.loads(text) if text else None
+        return (int(raw["round"]), str(raw["error"])) if raw else None
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def clear(record: str) -> None:

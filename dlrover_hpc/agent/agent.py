@@ -29,6 +29,8 @@ from dlrover_hpc.agent.zygote import Zygote
 from dlrover_hpc.checkpoint.saver.host import SaverHost
 from dlrover_hpc.checkpoint.saver.replicas import ReplicaServer
 from dlrover_hpc.config import RequeueBy, RunConfig
+from dlrover_hpc.diagnosis.classify import Diagnosis
+from dlrover_hpc.diagnosis.rules import FailureKind
 from dlrover_hpc.master.thread import MasterThread
 from dlrover_hpc.progress import PATH_ENV, StopNotice
 from dlrover_hpc.protocol import messages as m
@@ -317,7 +319,7 @@ class Agent:
             m.Ack,
             timeout_s=30,
         )
-        outcome, failures = await self._monitor()
+        outcome, failures = await self._monitor(a, env)
         self._round_state = (
             m.NodeState.DONE if outcome is Outcome.SUCCEEDED else m.NodeState.WAITING
         )
@@ -368,6 +370,23 @@ class Agent:
         await self._stop_workers()
         return outcome
 
+    async def _report_broken(self, a: m.Assignment, env: dict[str, str]) -> bool:
+        """A kept worker's collective lost a peer (:func:`membership.broken`): report it as
+        a peer-lost failure, so that the round re-forms without waiting for the lost node's
+        own report or its reconnect grace.  True once reported."""
+        for lr in range(self.config.nproc_per_node):
+            found = membership.broken(env[PATH_ENV].format(lr))
+            if found is not None and found[0] == a.round:
+                diagnosis = Diagnosis(
+                    kind=FailureKind.PEER,
+                    rule="peer_lost_in_process",
+                    reason="a worker that changes rounds in-process lost a peer",
+                    evidence=(found[1],),
+                )
+                await report_failure(self.link, self.agent_id, a, lr, diagnosis)
+                return True
+        return False
+
     async def _leave_in_process(self, env: dict[str, str]) -> bool:
         """Workers under the in-process wrapper leave the round and stay for the next one
         (:mod:`dlrover_hpc.membership`); False: end them as usual (not all of them opted in,
@@ -401,9 +420,14 @@ class Agent:
         log.warning("hardware fault in the log of local_rank=%d: %s", local_rank, diagnosis.reason)
         await report_failure(self.link, self.agent_id, a, local_rank, diagnosis)
 
-    async def _monitor(self) -> tuple[Outcome, list[WorkerFailure]]:
+    async def _monitor(
+        self, a: m.Assignment, env: dict[str, str]
+    ) -> tuple[Outcome, list[WorkerFailure]]:
         interval = self.config.monitor_interval_s
+        reported = False
         while True:
+            if not reported and (reported := await self._report_broken(a, env)):
+                log.info("a kept worker lost a peer in round=%d: reported", a.round)
             stopped, changed = self._stop.is_set(), self._round_changed.is_set()
             result = None if stopped else await asyncio.to_thread(self.workers.poll)
             outcome = round_outcome(

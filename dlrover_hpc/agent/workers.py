@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import signal
 import sys
 from collections.abc import Mapping
@@ -24,12 +23,7 @@ from dlrover_hpc.slurm.env import worker_task_env
 log = logging.getLogger(__name__)
 
 # A worker whose collective lost a peer fails too; its error is a consequence, not the cause.
-_PEER_LOST = re.compile(
-    r"Connection (closed|reset) by peer|remote worker (crashing|hanging)|"
-    r"NCCL communicator was aborted|ProcessGroupNCCL.*(abort|watchdog)|"
-    r"Socket Timeout|Broken pipe",
-    re.IGNORECASE,
-)
+_PEER_LOST = membership.PEER_LOST
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

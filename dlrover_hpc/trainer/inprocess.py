@@ -108,6 +108,9 @@ def _attempts(record: str, call: Callable[[], R]) -> R:
         try:
             return call()
         except Exception as exc:
+            text = f"{type(exc).__name__}: {exc}"
+            if watch.notice is None and membership.PEER_LOST.search(text):
+                membership.report_broken(record, base, text)  # the agent tells the master
             notice = watch.wait(_wait_s())
             if notice is None:
                 raise  # no round change explains it: fail as a worker always did

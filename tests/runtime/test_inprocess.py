@@ -75,8 +75,12 @@ def test_survivors_keep_their_processes_through_a_worker_kill_and_a_node_loss(
     assert fields["JobState"] == "COMPLETED", out[-4000:]
     evs = events(job_dir)
 
-    [failed] = named(evs, "worker_failed")
+    # The killed worker; and the kept workers whose collectives lost a peer, reported by
+    # their agents so that the round re-forms without waiting for the lost node's grace.
+    [failed] = [e for e in named(evs, "worker_failed") if e["signal"] is not None]
     assert failed["rank"] == 3 and failed["signal"] == "SIGKILL", failed
+    peers = [e for e in named(evs, "worker_failed") if e["signal"] is None]
+    assert peers and all(e["classification"] == "peer" for e in peers), peers
     assert [e["node"] for e in named(evs, "node_lost")] == ["node3"]
     rounds = _rounds(evs)
     order = sorted(rounds)
@@ -108,8 +112,8 @@ def test_survivors_keep_their_processes_through_a_worker_kill_and_a_node_loss(
     ranks = sum(2 * len(rounds[r]) for r in order[1:])
     assert len(later) == ranks, later  # every rank of every later round restored once
     assert all(e["source"] in ("memory", "peer") and e["step"] > 0 for e in later), later
-    for fault in (failed, *named(evs, "node_lost")):
-        back = min(e["time"] for e in later if e["time"] > fault["time"])
-        print(f"{fault['event']}: restored {back - fault['time']:.2f} s later")
+    rows = [line.split() for line in (work / "timing.log").read_text().splitlines()]
+    stalls = sorted((float(b[0]) - float(a[0]), a[1]) for a, b in itertools.pairwise(rows))
+    print("rank 0's longest steps (s, step before):", stalls[-4:])
     result = json.loads((work / "result.json").read_text())
     assert result["final_step"] == STEPS and result["committed"], result
