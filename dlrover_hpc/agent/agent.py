@@ -233,6 +233,17 @@ class Agent:
 
     async def _rounds(self) -> int:
         assert self.link is not None
+        if self.zygote is not None and not self.config.no_python:
+            # Waiting for a round is what admits this node: a node that joins a running job
+            # (a spare, a replacement, a relaunch) is taken in only once it can start its
+            # workers at once, or the kept survivors would wait for its interpreter's warm-up.
+            deadline = time.monotonic() + ZYGOTE_WAIT_S
+            while self.zygote.alive and not self._stop.is_set() and time.monotonic() < deadline:
+                try:
+                    if await asyncio.to_thread(self.zygote.ready, 0.25):
+                        break
+                except (OSError, ValueError):
+                    break  # it stopped: the workers start as fresh interpreters
         while True:
             wait = asyncio.create_task(
                 self.link.request(

@@ -461,6 +461,10 @@ class Zygote:
                 return done == 0
         return False
 
+    @property
+    def alive(self) -> bool:
+        return self._out is not None and self._running()
+
     def ready(self, timeout_s: float) -> bool:
         """Wait (at most ``timeout_s``) until it listens; False if it failed."""
         if self._out is None or not self._running():
