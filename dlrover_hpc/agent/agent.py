@@ -45,6 +45,8 @@ ZYGOTE_WAIT_S = 30.0
 #: At a successful end, how long the node's last persists may take (a large checkpoint on a
 #: slow file system) before it reports to the master what is on storage.
 END_PERSIST_TIMEOUT_S = 600.0
+#: How long a round change waits for the exit of a worker seen gone to reach torch's API.
+LATE_FAILURE_WAIT_S = 2.0
 
 
 def new_zygote() -> Zygote:
@@ -109,6 +111,7 @@ class Agent:
         self._master_gone = False  # the link gave up reconnecting
         # The workers left the last round in-process and wait for the next (issue 26).
         self._kept = False
+        self._joins_running_job = False  # not the job's first rendezvous (JoinReply)
 
     # -------------------------------------------------------------- setup
     async def _open_link(self) -> None:
@@ -167,6 +170,7 @@ class Agent:
         self.agent_id = reply.agent_id
         self._job_id = reply.job_id
         self._heartbeat_s = reply.heartbeat_interval_s
+        self._joins_running_job = reply.job_running
         log.info(
             "%s master=%s:%d agent=%s",
             "re-joined" if rejoined else "joined",
@@ -233,10 +237,11 @@ class Agent:
 
     async def _rounds(self) -> int:
         assert self.link is not None
-        if self.zygote is not None and not self.config.no_python:
+        if self.zygote is not None and not self.config.no_python and self._joins_running_job:
             # Waiting for a round is what admits this node: a node that joins a running job
             # (a spare, a replacement, a relaunch) is taken in only once it can start its
             # workers at once, or the kept survivors would wait for its interpreter's warm-up.
+            # Not at the job's start: a node that waited would miss the first round.
             deadline = time.monotonic() + ZYGOTE_WAIT_S
             while self.zygote.alive and not self._stop.is_set() and time.monotonic() < deadline:
                 try:
@@ -352,6 +357,8 @@ class Agent:
                 timeout_s=30,
             )
             return outcome
+        if outcome is Outcome.ROUND_CHANGED and (late := await self._failed_as_round_changed()):
+            outcome, failures = Outcome.FAILED, late
         if outcome is Outcome.ROUND_CHANGED:
             if await self._leave_in_process(env):
                 return outcome
@@ -380,6 +387,20 @@ class Agent:
             )
         await self._stop_workers()
         return outcome
+
+    async def _failed_as_round_changed(self) -> list[WorkerFailure]:
+        """A worker of this node that died just as the round changed, which its death may
+        have caused (kept peers report their lost collectives at once): its exit reaches
+        torch's process API a moment later (a zygote client mirrors it), and the master
+        must still hear of the cause, not only of its peers' symptoms."""
+        deadline = time.monotonic() + LATE_FAILURE_WAIT_S
+        while True:
+            result = await asyncio.to_thread(self.workers.poll)
+            if result is not None:
+                return self.workers.failures(result) if result.is_failed() else []
+            if time.monotonic() > deadline or not self.watchdog.any_worker_gone():
+                return []
+            await asyncio.sleep(0.05)
 
     async def _report_broken(self, a: m.Assignment, env: dict[str, str]) -> bool:
         """A kept worker's collective lost a peer (:func:`membership.broken`): report it as

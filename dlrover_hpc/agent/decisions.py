@@ -69,5 +69,8 @@ def round_outcome(
 
 def round_over(reply: m.HeartbeatReply, *, my_round: int, workers_running: bool) -> bool:
     """The heartbeat shows a newer round or the job's end while this node's workers run
-    (the push that says so may have been lost with a connection)."""
-    return workers_running and (reply.round > my_round or reply.finished)
+    (the push that says so may have been lost with a connection), or that the master no
+    longer counts this node in its round (lost, then back while the next round waits for
+    nodes: workers that change rounds in-process would wait for a word otherwise)."""
+    left_out = reply.round == my_round and not reply.member
+    return workers_running and (reply.round > my_round or reply.finished or left_out)

@@ -240,6 +240,19 @@ class Watchdog:
         ]
         return max([LEAVE_WAIT_S, *(3 * p for p in p99)])
 
+    def any_worker_gone(self) -> bool:
+        """A worker process of the round has exited (or is a zombie)."""
+        for r in self._ranks.values():
+            r.seen(progress.read(r.path))
+            try:
+                if psutil.Process(r.pid).status() == psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.NoSuchProcess:
+                return True
+            except psutil.Error:
+                continue
+        return False
+
     def any_stopped_process(self) -> bool:
         """A worker stopped by a signal (SIGSTOP, a debugger): it cannot leave a round."""
         for r in self._ranks.values():

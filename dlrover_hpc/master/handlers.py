@@ -104,6 +104,7 @@ class AgentHandlers:
             agent_id=agent_id,
             job_id=self.job.config.job_id,
             heartbeat_interval_s=self.job.config.heartbeat_interval_s,
+            job_running=self.job.round > 0,
         )
 
     def _rejoin(self, rec: NodeRecord) -> None:
@@ -199,7 +200,11 @@ class AgentHandlers:
             if self.hangs is not None:
                 self.hangs.heartbeat(rec.node, msg.progress, rtt_s=msg.rtt_s)
             self._progress(rec, msg.progress)
-        return m.HeartbeatReply(round=self.job.round, finished=self.job.ended)
+        return m.HeartbeatReply(
+            round=self.job.round,
+            finished=self.job.ended,
+            member=rec.state is not NodeState.WAITING,
+        )
 
     def _progress(
         self, rec: NodeRecord, progress: list[m.RankProgress], final: bool = False

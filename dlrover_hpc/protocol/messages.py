@@ -72,6 +72,9 @@ class JoinReply(Message):
     agent_id: str
     job_id: str
     heartbeat_interval_s: float
+    #: a round has formed before: this agent joins a running job (a spare, a replacement,
+    #: a relaunch), not the job's first rendezvous
+    job_running: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,6 +154,9 @@ class HeartbeatReply(Message):
     TYPE: ClassVar[str] = "heartbeat_reply"
     round: int  # the newest round; newer than the agent's means: stop workers, re-rendezvous
     finished: bool = False
+    #: False: the master does not count this node in ``round`` (it was lost and came back
+    #: while the next round waits for nodes): its workers of that round must stop
+    member: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -53,14 +53,19 @@ def test_round_outcome(
 
 
 @pytest.mark.parametrize(
-    "round,finished,running,expected",
+    "round,finished,member,running,expected",
     [
-        (2, False, True, False),  # our round
-        (3, False, True, True),  # a newer round: the push was lost
-        (2, True, True, True),  # the job ended
-        (3, True, False, False),  # no workers to stop
+        (2, False, True, True, False),  # our round
+        (3, False, True, True, True),  # a newer round: the push was lost
+        (2, True, True, True, True),  # the job ended
+        (3, True, True, False, False),  # no workers to stop
+        (2, False, False, True, True),  # lost and back: the master counts us out of round 2
+        (1, False, False, True, False),  # a reply from before our round formed
+        (2, False, False, False, False),  # a spare: nothing runs
     ],
 )
-def test_round_over(round: int, finished: bool, running: bool, expected: bool) -> None:
-    reply = m.HeartbeatReply(round=round, finished=finished)
+def test_round_over(
+    round: int, finished: bool, member: bool, running: bool, expected: bool
+) -> None:
+    reply = m.HeartbeatReply(round=round, finished=finished, member=member)
     assert round_over(reply, my_round=2, workers_running=running) is expected
