@@ -153,8 +153,11 @@ def train(args: argparse.Namespace) -> None:
                     },
                     f,
                 )
-    finally:
-        ckpt.close()  # also when the round changes in-process: the next attempt opens its own
+    except BaseException:
+        # A restart reads this memory: a new process's, or the next in-process attempt's.
+        ckpt.close(remove_segments=False)
+        raise
+    ckpt.close()
     if grouped:
         dist.barrier()
         dist.destroy_process_group()
