@@ -44,6 +44,16 @@ def jsonl_records(log_dir: Path, pattern: str = "rank*.jsonl") -> list[dict]:
     return out
 
 
+def timing_log(work: Path) -> list[tuple[float, int]]:
+    """``(wall time, step)`` of each step rank 0 wrote to ``work/timing.log`` (the example's
+    ``--timing-log``); a line torn by a kill is skipped."""
+    log = work / "timing.log"
+    if not log.exists():
+        return []
+    rows = [line.split() for line in log.read_text().splitlines()]
+    return [(float(r[0]), int(r[1])) for r in rows if len(r) == 2]
+
+
 def named(evs: list[dict], name: str) -> list[dict]:
     return [e for e in evs if e["event"] == name]
 

@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import psutil
 
@@ -227,9 +227,6 @@ class Watchdog:
             membership.clear(r.path)
         self._ranks = {}
 
-    def pids(self) -> dict[int, int]:
-        return {lr: r.pid for lr, r in self._ranks.items()}
-
     def leave_wait_s(self) -> float:
         """How long kept workers may take to leave a round: they leave at their next
         collective, so a few of their step times (p99), at least LEAVE_WAIT_S."""
@@ -240,30 +237,26 @@ class Watchdog:
         ]
         return max([LEAVE_WAIT_S, *(3 * p for p in p99)])
 
-    def any_worker_gone(self) -> bool:
-        """A worker process of the round has exited (or is a zombie)."""
+    def _statuses(self) -> Iterator[str | None]:
+        """Each worker's process status, of its own pid (not a zygote client's); None: it
+        is gone.  A process psutil cannot read is left out."""
         for r in self._ranks.values():
             r.seen(progress.read(r.path))
             try:
-                if psutil.Process(r.pid).status() == psutil.STATUS_ZOMBIE:
-                    return True
+                yield psutil.Process(r.pid).status()
             except psutil.NoSuchProcess:
-                return True
+                yield None
             except psutil.Error:
                 continue
-        return False
+
+    def any_worker_gone(self) -> bool:
+        """A worker process of the round has exited (or is a zombie)."""
+        return any(s in (None, psutil.STATUS_ZOMBIE) for s in self._statuses())
 
     def any_stopped_process(self) -> bool:
         """A worker stopped by a signal (SIGSTOP, a debugger): it cannot leave a round."""
-        for r in self._ranks.values():
-            r.seen(progress.read(r.path))  # the worker's own pid (not a zygote client's)
-            with contextlib.suppress(psutil.Error):
-                if psutil.Process(r.pid).status() in (
-                    psutil.STATUS_STOPPED,
-                    psutil.STATUS_TRACING_STOP,
-                ):
-                    return True
-        return False
+        stopped = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+        return any(s in stopped for s in self._statuses())
 
     def poll(self) -> list[m.RankProgress]:
         """Each worker's step and how long since it last progressed."""

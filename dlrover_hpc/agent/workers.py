@@ -22,9 +22,6 @@ from dlrover_hpc.slurm.env import worker_task_env
 
 log = logging.getLogger(__name__)
 
-# A worker whose collective lost a peer fails too; its error is a consequence, not the cause.
-_PEER_LOST = membership.PEER_LOST
-
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerFailure:
@@ -150,9 +147,14 @@ class WorkerGroup:
             start_method=cfg.start_method,
         )
         self.stderr_paths = {lr: str(p) for lr, p in (self._ctx.stderrs or {}).items() if p}
+        return self._pids("started", assignment)
+
+    def _pids(self, how: str, assignment: Assignment) -> dict[int, int]:
+        assert self._ctx is not None
         pids = dict(self._ctx.pids())
         log.info(
-            "workers started round=%d node_rank=%d pids=%s",
+            "workers %s round=%d node_rank=%d pids=%s",
+            how,
             assignment.round,
             assignment.node_rank,
             list(pids.values()),
@@ -181,14 +183,7 @@ class WorkerGroup:
             notice = membership.Notice(assignment.round, membership.JOIN, env)
             membership.tell(env[progress.PATH_ENV], notice)
         self._rank_offset = assignment.rank_offset
-        pids = dict(self._ctx.pids())
-        log.info(
-            "workers kept round=%d node_rank=%d pids=%s",
-            assignment.round,
-            assignment.node_rank,
-            list(pids.values()),
-        )
-        return pids
+        return self._pids("kept", assignment)
 
     def poll(self) -> RunProcsResult | None:
         """None while running; the result once all exited or any failed (others stopped)."""
@@ -213,7 +208,8 @@ class WorkerGroup:
                     log_tail=tail,
                 )
             )
-        out.sort(key=lambda f: _PEER_LOST.search(f.log_tail + f.message) is not None)
+        # A worker whose collective lost a peer fails too: a consequence, not the cause.
+        out.sort(key=lambda f: membership.PEER_LOST.search(f.log_tail + f.message) is not None)
         return out
 
     def log_tail(self, local_rank: int, max_bytes: int = 8192) -> str:

@@ -11,21 +11,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from runtime_helpers import TRAIN, events, named, sbatch, wait_job
+from runtime_helpers import TRAIN, events, named, sbatch, timing_log, wait_job
 
 from dlrover_hpc.testing import LocalSlurm, wait_for
 
 pytestmark = pytest.mark.slurm
 FLASH = TRAIN.parent / "train_flash_ckpt.py"
 STEPS = 300
-
-
-def _steps(work: Path) -> list[int]:
-    log = work / "timing.log"
-    if not log.exists():
-        return []
-    rows = [line.split() for line in log.read_text().splitlines()]
-    return [int(r[1]) for r in rows if len(r) == 2]
 
 
 def _rounds(evs: list[dict]) -> dict[int, dict[str, dict]]:
@@ -62,7 +54,7 @@ def test_survivors_keep_their_processes_through_a_worker_kill_and_a_node_loss(
     job_dir = work / ".dlrover-hpc" / job
     try:
         wait_for(
-            lambda: any(s >= 60 for s in _steps(work)),
+            lambda: any(s >= 60 for _, s in timing_log(work)),
             timeout_s=240,
             what="training past the worker kill at step 40",
         )
@@ -104,7 +96,8 @@ def test_survivors_keep_their_processes_through_a_worker_kill_and_a_node_loss(
     assert "in-process restart" in out, out[-4000:]
 
     # Every step trained; a restart goes back to the newest step in memory (saved every step).
-    steps = _steps(work)
+    timing = timing_log(work)
+    steps = [s for _, s in timing]
     assert set(range(1, STEPS + 1)) <= set(steps), sorted(set(range(1, STEPS + 1)) - set(steps))
     redone = len(steps) - len(set(steps))
     assert redone <= 2 * 3, (redone, steps)  # at most a step or two per restart, two restarts
@@ -112,8 +105,7 @@ def test_survivors_keep_their_processes_through_a_worker_kill_and_a_node_loss(
     ranks = sum(2 * len(rounds[r]) for r in order[1:])
     assert len(later) == ranks, later  # every rank of every later round restored once
     assert all(e["source"] in ("memory", "peer") and e["step"] > 0 for e in later), later
-    rows = [line.split() for line in (work / "timing.log").read_text().splitlines()]
-    stalls = sorted((float(b[0]) - float(a[0]), a[1]) for a, b in itertools.pairwise(rows))
+    stalls = sorted((b[0] - a[0], a[1]) for a, b in itertools.pairwise(timing))
     print("rank 0's longest steps (s, step before):", stalls[-4:])
     result = json.loads((work / "result.json").read_text())
     assert result["final_step"] == STEPS and result["committed"], result

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from runtime_helpers import BIN, TRAIN, events, named, sbatch, wait_job
+from runtime_helpers import BIN, TRAIN, events, named, sbatch, timing_log, wait_job
 
 from dlrover_hpc.report.analysis import analyze
 from dlrover_hpc.report.plot import plot
@@ -25,17 +25,9 @@ STEPS = 360
 DISTURBING = {"worker_failed", "node_lost", "hang_detected", "node_admitted", "master_recovered"}
 
 
-def _timing(work: Path) -> list[tuple[float, int]]:
-    log = work / "timing.log"
-    if not log.exists():
-        return []
-    rows = [line.split() for line in log.read_text().splitlines()]
-    return [(float(r[0]), int(r[1])) for r in rows if len(r) == 2]
-
-
 def _wait_step(work: Path, step: int) -> None:
     wait_for(
-        lambda: any(s >= step for _, s in _timing(work)),
+        lambda: any(s >= step for _, s in timing_log(work)),
         timeout_s=180,
         what=f"training to reach step {step}",
     )
@@ -144,7 +136,7 @@ def test_report_metrics_and_watch_of_a_job_with_a_worker_kill_and_a_node_loss(
     # over single steps, whose spread on a loaded 2-core machine is wide (CI on d07547b: 5.1 %
     # apart). The exact check of the report is the 1 % one above; this one catches a report
     # that is off by a factor, such as a step time counted twice or blocking never taken out.
-    timing = _timing(work)
+    timing = timing_log(work)
     gaps = [b[0] - a[0] for a, b in itertools.pairwise(timing) if b[1] == a[1] + 1]
     start = named(evs, "job_started")[0]["time"]
     truth = STEPS * statistics.median(gaps) / (named(evs, "job_finished")[-1]["time"] - start)
