@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import math
 import socket
 import time
 from collections.abc import Sequence
@@ -34,8 +35,11 @@ DEFAULT_PREFIX = "dlrover-hpc/netcheck"
 DEFAULT_PAYLOAD_BYTES = 4 * 1024 * 1024
 CPU_MATMUL_SIZE = 512
 CUDA_MATMUL_SIZE = 4096
-MATMUL_ITERS = 3
-COLLECTIVE_ITERS = 3
+# Each timing is the best of several runs: a busy host's scheduler only ever adds time, while a
+# slow device or link is slow every time. A mean over the runs made one preempted run on a loaded
+# machine look like a straggler (more than twice the median), which cost the check a second round.
+MATMUL_ITERS = 5
+COLLECTIVE_ITERS = 5
 # Share of the remaining time given to the store connection: a TCPStore client may take about
 # twice its timeout (one retry after the timeout), and the collectives still need time after it.
 CONNECT_SHARE = 0.4
@@ -232,11 +236,13 @@ def _time_matmul(torch: Any, *, device: str, size: int) -> float:
     b = torch.randn(size, size, device=device, dtype=dtype)
     torch.matmul(a, b)  # warm-up: kernels, allocator
     _sync(torch, device)
-    start = time.perf_counter()
+    best = math.inf
     for _ in range(MATMUL_ITERS):
+        start = time.perf_counter()
         torch.matmul(a, b)
-    _sync(torch, device)
-    return (time.perf_counter() - start) / MATMUL_ITERS
+        _sync(torch, device)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _time_all_reduce(
@@ -245,16 +251,17 @@ def _time_all_reduce(
     tensor = torch.ones(max(payload_bytes // 4, 1), dtype=torch.float32, device=device)
     dist.all_reduce(tensor)  # warm-up, and a barrier: the timing excludes waiting for partners
     _sync(torch, device)
-    start = time.perf_counter()
+    best = math.inf
     for _ in range(COLLECTIVE_ITERS):
         tensor.fill_(1.0)
+        start = time.perf_counter()
         dist.all_reduce(tensor)
-    _sync(torch, device)
-    elapsed = (time.perf_counter() - start) / COLLECTIVE_ITERS
+        _sync(torch, device)
+        best = min(best, time.perf_counter() - start)
     got = float(tensor[0].item()), float(tensor[-1].item())
     if got != (float(group_size), float(group_size)):
         raise NetcheckError(f"all-reduce on {device} returned {got}, expected {group_size}")
-    return elapsed
+    return best
 
 
 def _sync(torch: Any, device: str) -> None:
