@@ -391,7 +391,7 @@ class Agent:
     async def _failed_as_round_changed(self) -> list[WorkerFailure]:
         """A worker of this node that died just as the round changed, which its death may
         have caused (kept peers report their lost collectives at once): its exit reaches
-        torch's process API a moment later (a zygote client mirrors it), and the master
+        the process context a moment later (a zygote client mirrors it), and the master
         must still hear of the cause, not only of its peers' symptoms."""
         deadline = time.monotonic() + LATE_FAILURE_WAIT_S
         while True:

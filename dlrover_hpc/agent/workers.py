@@ -1,4 +1,4 @@
-"""The node's worker processes, through torch.distributed.elastic's public process API."""
+"""The node's worker processes: their environment (torchrun's variables), start, poll, stop."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ import sys
 from collections.abc import Mapping
 
 import psutil
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
-from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResult
 
 from dlrover_hpc import membership, progress
+from dlrover_hpc.agent.procs import NO_ERROR_FILE, LogSpec, ProcsResult, WorkerProcs
 from dlrover_hpc.agent.zygote import REQUEUE_BY_ENV, Zygote, exec_args, run_args
 from dlrover_hpc.config import RunConfig
 from dlrover_hpc.jobdir import PARAL_CONFIG, PARAL_CONFIG_ENV
@@ -80,10 +79,6 @@ def worker_env(
     return env
 
 
-def _std(value: str) -> Std | dict[int, Std]:
-    return Std.from_str(value)
-
-
 class WorkerGroup:
     """Start, poll and stop this node's ``--nproc-per-node`` workers."""
 
@@ -93,7 +88,7 @@ class WorkerGroup:
         self.config = config
         self._zygote = zygote
         self._log_dir = log_dir
-        self._ctx: PContext | None = None
+        self._ctx: WorkerProcs | None = None
         self._rank_offset = 0
         self.stderr_paths: dict[int, str] = {}
 
@@ -126,27 +121,25 @@ class WorkerGroup:
         tee = cfg.tee
         if cfg.redirects == "0" and cfg.tee == "0":
             tee = "2"  # keep stderr on the console and in the log file, for diagnosis
-        logs = DefaultLogsSpecs(
-            log_dir=run_log_dir or None,
-            redirects=_std(cfg.redirects),
-            tee=_std(tee),
-            local_ranks_filter=ranks_filter,
+        logs = LogSpec(
+            log_dir=run_log_dir,
+            redirects=cfg.redirects,
+            tee=tee,
+            local_ranks_filter=frozenset(ranks_filter) if ranks_filter is not None else None,
         )
         self._rank_offset = assignment.rank_offset
         for env in envs.values():
             if progress.PATH_ENV in env:  # a new process: no word of an earlier one's rounds
                 membership.clear(env[progress.PATH_ENV])
         prefixes = {lr: f"[rank{assignment.rank_offset + lr}]:" for lr in range(cfg.nproc_per_node)}
-        self._ctx = start_processes(
-            name=f"dlrover-hpc-{cfg.role}",
-            entrypoint=sys.executable,
-            args=args,
+        self._ctx = WorkerProcs(
+            args={lr: [sys.executable, *a] for lr, a in args.items()},
             envs=envs,
-            logs_specs=logs,
-            log_line_prefixes=prefixes,
-            start_method=cfg.start_method,
+            logs=logs,
+            prefixes=prefixes,
+            grace_s=cfg.shutdown_timeout_s,
         )
-        self.stderr_paths = {lr: str(p) for lr, p in (self._ctx.stderrs or {}).items() if p}
+        self.stderr_paths = dict(self._ctx.stderrs)
         return self._pids("started", assignment)
 
     def _pids(self, how: str, assignment: Assignment) -> dict[int, int]:
@@ -185,17 +178,17 @@ class WorkerGroup:
         self._rank_offset = assignment.rank_offset
         return self._pids("kept", assignment)
 
-    def poll(self) -> RunProcsResult | None:
+    def poll(self) -> ProcsResult | None:
         """None while running; the result once all exited or any failed (others stopped)."""
         assert self._ctx is not None
-        return self._ctx.wait(timeout=0, period=0)
+        return self._ctx.poll()
 
-    def failures(self, result: RunProcsResult) -> list[WorkerFailure]:
+    def failures(self, result: ProcsResult) -> list[WorkerFailure]:
         """The failed workers, the likely cause first: a worker that died of its peers'
         death (a collective lost its connection) comes after one that died on its own."""
         out = []
         for local_rank, f in sorted(result.failures.items(), key=lambda kv: kv[1].timestamp):
-            sig = f.signal_name() if f.exitcode is not None and f.exitcode < 0 else None
+            sig = f.signal_name() if f.exitcode < 0 else None
             tail = self.log_tail(local_rank)
             out.append(
                 WorkerFailure(
@@ -203,8 +196,8 @@ class WorkerGroup:
                     rank=self._rank_offset + local_rank,
                     exit_code=f.exitcode,
                     signal=sig,
-                    message=str(f.message)[:2000],
-                    error_file=f.error_file or "",
+                    message=f.message[:2000],
+                    error_file="" if f.error_file == NO_ERROR_FILE else f.error_file,
                     log_tail=tail,
                 )
             )
@@ -222,7 +215,7 @@ class WorkerGroup:
 
     def stop(self) -> None:
         if self._ctx is not None:
-            self._ctx.close(death_sig=signal.SIGTERM, timeout=int(self.config.shutdown_timeout_s))
+            self._ctx.close(signal.SIGTERM, self.config.shutdown_timeout_s)
             self._ctx = None
 
     @property

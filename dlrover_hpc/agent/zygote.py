@@ -2,7 +2,7 @@
 
 A restarted worker spends most of its recovery time importing torch (about 1.1 s here).  The
 agent therefore keeps a *zygote*: a Python process that has imported torch once and then only
-forks.  Each worker the agent starts (through torch elastic's process API, unchanged) is a
+forks.  Each worker the agent starts (through its process context, `procs.py`) is a
 small *client* process that connects to the zygote over a Unix socket and passes its own
 stdin, stdout and stderr, its environment, working directory and argv.  The zygote forks a
 child that takes those over and runs the training script as ``__main__``.  The client mirrors
