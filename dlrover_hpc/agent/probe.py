@@ -18,9 +18,12 @@ log = logging.getLogger(__name__)
 
 
 #: At most this share of a probe's budget is spent waiting for the zygote to finish its
-#: ``import torch`` (it started with the agent); past it, the probe starts an interpreter.
-ZYGOTE_SHARE = 0.25
-ZYGOTE_WAIT_S = 5.0
+#: ``import torch`` (it started with the agent); past it, the probe starts an interpreter. The
+#: probe itself needs a few seconds of the rest. Waiting is the cheaper way for the node: a probe
+#: of its own imports torch a second time beside the zygote, and at a job's start, on a busy
+#: host, the two imports together outlasted the whole budget (every probe of a check's first
+#: round failed at its store connection; 0.25 of the budget, at most 5 s, was waited then).
+ZYGOTE_SHARE = 0.6
 
 
 async def run_probe(
@@ -32,7 +35,7 @@ async def run_probe(
     runner: tuple[str, ...] = ()
     started = time.monotonic()
     if zygote is not None:
-        wait_s = min(ZYGOTE_WAIT_S, ZYGOTE_SHARE * a.check_timeout_s)
+        wait_s = ZYGOTE_SHARE * a.check_timeout_s
         with contextlib.suppress(OSError, ValueError):  # it stopped meanwhile
             if await asyncio.to_thread(zygote.ready, wait_s):
                 runner = (sys.executable, *zygote.client_args([], module=True))

@@ -76,7 +76,7 @@ def test_four_node_job_survives_killed_worker_and_ranks_follow_topology(
     # A healthy network check ran before the start and again before the restart.
     checks = [e for e in named(evs, "netcheck_result") if e["final"]]
     assert [c["generation"] for c in checks] == [1, 2], checks
-    assert all(c["faulty"] == [] and c["round"] == 1 for c in checks), checks
+    assert all(c["faulty"] == [] and c["round"] == 1 for c in checks), json.dumps(checks)
     assert all(len(c["timings"]) == 4 for c in checks), checks
     # Every worker's GROUP_RANK follows the topology, before and after the restart.
     for restart in (0, 1):
