@@ -172,23 +172,25 @@ def test_a_signalled_worker_without_an_error_file(tmp_path: Path) -> None:
     assert failure.message == f"Signal 11 (SIGSEGV) received by PID {failure.pid}"
 
 
-def test_an_exit_code_with_a_flat_error_file(tmp_path: Path) -> None:
+def test_an_exit_code_with_a_flat_error_file_or_none(tmp_path: Path) -> None:
     flat = (
         "import json, os, sys\n"
         "json.dump({'message': 'OOM in step 3', 'timestamp': '1700000000'},"
         " open(os.environ['TORCHELASTIC_ERROR_FILE'], 'w'))\n"
         "sys.exit(1)\n"
     )
-    procs = WorkerProcs(
-        args={0: [PY, "-c", flat], 1: [PY, "-c", "import sys; sys.exit(2)"]},
-        envs={0: _env(), 1: _env()},
-        logs=LogSpec(log_dir=str(tmp_path)),
-        prefixes={},
-    )
-    result = _wait(procs)
-    assert (result.failures[0].message, result.failures[0].timestamp) == (
-        "OOM in step 3",
-        1700000000.0,
-    )
-    assert result.failures[1].message.startswith("exit code 2; no error file")
-    assert json.loads(Path(result.failures[0].error_file).read_text())["message"] == "OOM in step 3"
+    for code, log_dir, expected in (
+        (flat, tmp_path / "flat", "OOM in step 3"),
+        ("import sys; sys.exit(2)", tmp_path / "none", "exit code 2; no error file"),
+    ):
+        procs = WorkerProcs(
+            args={0: [PY, "-c", code]},
+            envs={0: _env()},
+            logs=LogSpec(log_dir=str(log_dir)),
+            prefixes={},
+        )
+        failure = _wait(procs).failures[0]
+        assert failure.message.startswith(expected), failure
+        assert (failure.timestamp == 1700000000.0) == (log_dir.name == "flat"), failure
+    (error_file,) = (tmp_path / "flat").rglob("error.json")
+    assert json.loads(error_file.read_text())["timestamp"] == "1700000000"

@@ -54,7 +54,10 @@ def test_four_node_job_survives_killed_worker_and_ranks_follow_topology(
         "--max-restarts=2",
         "--network-check",
         *_train_args(shared_tmp, steps=30, extra=("--fail-at-step=12", "--fail-rank=5")),
-        master_opts=f"--topology={topo}",
+        # A generous check timeout: at the start each node's probe waits for the node's
+        # pre-warmed interpreter (`import torch`), which took ~40 s with tests side by side on
+        # a busy 2-core machine, and the default 30 s then failed the first check round.
+        master_opts=f"--topology={topo} --netcheck-timeout=90",
     )
     fields = wait_job(job, timeout_s=240)
     out = (shared_tmp / f"slurm-{job}.out").read_text()
