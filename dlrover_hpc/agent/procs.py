@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 TEE_POLL_S = 0.1
-NO_ERROR_FILE = "<N/A>"
+NO_ERROR_FILE = ""  # ProcFailure.error_file of a worker that wrote none
 
 
 class Streams(enum.IntFlag):
@@ -66,7 +66,8 @@ class LogSpec:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ProcFailure:
-    """A worker that exited non-zero; ``timestamp`` is its error file's, else when it was seen."""
+    """A worker that exited non-zero; ``error_file`` is "" when it wrote none, ``timestamp`` is
+    the error file's, else when the exit was seen."""
 
     local_rank: int
     pid: int

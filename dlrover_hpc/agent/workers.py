@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import psutil
 
 from dlrover_hpc import membership, progress
-from dlrover_hpc.agent.procs import NO_ERROR_FILE, LogSpec, ProcsResult, WorkerProcs
+from dlrover_hpc.agent.procs import LogSpec, ProcsResult, WorkerProcs
 from dlrover_hpc.agent.zygote import REQUEUE_BY_ENV, Zygote, exec_args, run_args
 from dlrover_hpc.config import RunConfig
 from dlrover_hpc.jobdir import PARAL_CONFIG, PARAL_CONFIG_ENV
@@ -197,7 +197,7 @@ class WorkerGroup:
                     exit_code=f.exitcode,
                     signal=sig,
                     message=f.message[:2000],
-                    error_file="" if f.error_file == NO_ERROR_FILE else f.error_file,
+                    error_file=f.error_file,
                     log_tail=tail,
                 )
             )
