@@ -278,6 +278,11 @@ class AgentHandlers:
             rec.state, rec.stopped = NodeState.DONE, msg.stopped
             rec.checkpoints = list(msg.checkpoints)
             log.info("workers succeeded node=%s rank=%d", rec.node, rec.rank)
+            if self.job.phase in FORMING:
+                # Its workers ended just as the round re-opened (a replacement joined at the
+                # training's end): it re-joins, as open_round has every node that was done,
+                # and is not left out of the new round because its wait came a moment later.
+                rec.state, rec.joined_at = NodeState.WAITING, self.job.clock()
             self.job.apply(d.workers_succeeded(self.job.phase, self.job.participants()))
         return m.Ack()
 

@@ -265,6 +265,30 @@ def test_scale_up_takes_in_a_late_node(tmp_path: Path) -> None:
     run(body)
 
 
+def test_a_node_done_as_a_scale_up_opens_joins_the_new_round(tmp_path: Path) -> None:
+    """Its workers ended as the round re-opened: its success comes first, its wait a moment
+    later, after the others' (CI on a4b9ecc formed the round without it)."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3")
+        a, b = h.start("n1", "n2")
+        late = h.join("n3")
+        h.wait(late)
+        h.settle()
+        assert h.job.phase is Phase.RENDEZVOUS
+        h.agents.workers_succeeded(m.WorkersSucceeded(agent_id=a, round=1))
+        h.rejoin([b])
+        h.settle()
+        assert h.job.phase is Phase.RENDEZVOUS  # the done node is waited for
+        h.rejoin([a])
+        h.settle()
+        assert h.job.phase is Phase.RUNNING and h.job.round == 2
+        assert {n.node for n in h.job.participants()} == {"n1", "n2", "n3"}
+        assert h.waits[a].result().round == 2
+
+    run(body)
+
+
 @pytest.mark.parametrize("first", [True, False])
 def test_stop_signal_fails_the_job_from_any_live_phase(tmp_path: Path, first: bool) -> None:
     async def body() -> None:
