@@ -62,8 +62,9 @@ def zygote_env(config: RunConfig) -> dict[str, str]:
 
 def start_zygote(config: RunConfig) -> Zygote | None:
     """The node's pre-warmed interpreter, started first thing: forked from this process while
-    it has one thread (``dlrover-run`` imported torch already, for torch elastic's process
-    API), before a master thread or the event loop's workers start."""
+    it has one thread, when it imported torch already (``--standalone``: the master it hosts
+    needs torch), before a master thread or the event loop's workers start; else a new
+    interpreter that imports torch in the background."""
     if config.no_python:
         return None
     zygote = new_zygote()

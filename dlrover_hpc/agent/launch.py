@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -42,6 +43,12 @@ def find_master(job_dir: Path, *, timeout_s: float = MASTER_WAIT_S) -> tuple[str
 
 
 def run_agent(config: RunConfig) -> int:
+    if config.standalone and not config.no_python:
+        # This process hosts the master, whose stores are torch's: import torch here, first,
+        # and the node's pre-warmed interpreter is a fork of this process (one `import torch`
+        # on the node, not two: about 2 s of CPU and a few hundred MB less).
+        with contextlib.suppress(ImportError):
+            import torch.distributed  # noqa: F401
     zygote = start_zygote(config)
     if config.standalone:
         return _run_standalone(config, zygote)

@@ -7,12 +7,12 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import textwrap
 import uuid
 from pathlib import Path
 
 import pytest
+from warm_python import WarmPython
 
 from dlrover_hpc.checkpoint.testing import remove_job_segments
 
@@ -128,7 +128,9 @@ def _has_numpy() -> bool:
         ),
     ],
 )
-def test_two_ranks_agree_on_memory_or_storage(tmp_path: Path, with_dcp: bool) -> None:
+def test_two_ranks_agree_on_memory_or_storage(
+    tmp_path: Path, with_dcp: bool, warm_python: WarmPython
+) -> None:
     job = f"d{uuid.uuid4().hex[:10]}"
     script = tmp_path / "rank.py"
     text = RANK_SCRIPT.format(repo=str(REPO), root=str(tmp_path), with_dcp=with_dcp)
@@ -148,9 +150,7 @@ def test_two_ranks_agree_on_memory_or_storage(tmp_path: Path, with_dcp: bool) ->
             "OMP_NUM_THREADS": "1",
         }
         procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True
-            )
+            subprocess.Popen(warm_python([str(script)]), env=env, stderr=subprocess.PIPE, text=True)
         )
     try:
         errors = [p.communicate(timeout=150)[1] for p in procs]
@@ -174,7 +174,9 @@ def test_two_ranks_agree_on_memory_or_storage(tmp_path: Path, with_dcp: bool) ->
         assert out["fsdp_plain_dcp"] is True
 
 
-def test_example_resumes_from_memory_after_a_worker_is_killed(tmp_path: Path) -> None:
+def test_example_resumes_from_memory_after_a_worker_is_killed(
+    tmp_path: Path, warm_python: WarmPython
+) -> None:
     """examples/train_flash_ckpt.py under a torchrun-like relaunch: rank 1 SIGKILLs itself,
     rank 0 fails on the broken collective, both restart and resume from memory.  (torchrun's
     own gloo restarts are flaky on this torch build, so the relaunch is done here.)"""
@@ -199,12 +201,13 @@ def test_example_resumes_from_memory_after_a_worker_is_killed(tmp_path: Path) ->
                 "LOCAL_WORLD_SIZE": "2",
                 "OMP_NUM_THREADS": "1",
             }
-            cmd = [
-                sys.executable,
-                str(REPO / "examples" / "train_flash_ckpt.py"),
-                *("--ckpt-dir", str(ckpt_dir), "--steps", "30", "--result", str(result)),
-                *("--fail-at-step", "15", "--fail-rank", "1"),
-            ]
+            cmd = warm_python(
+                [
+                    str(REPO / "examples" / "train_flash_ckpt.py"),
+                    *("--ckpt-dir", str(ckpt_dir), "--steps", "30", "--result", str(result)),
+                    *("--fail-at-step", "15", "--fail-rank", "1"),
+                ]
+            )
             procs.append(
                 subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             )

@@ -15,12 +15,12 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import textwrap
 import uuid
 from pathlib import Path
 
 import pytest
+from warm_python import WarmPython
 
 from dlrover_hpc.checkpoint import RankCheckpointer, StorageType
 from dlrover_hpc.checkpoint.env import WorkerEnv
@@ -174,7 +174,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def restored(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, list[object]]]]:
+def restored(
+    tmp_path_factory: pytest.TempPathFactory, warm_python: WarmPython
+) -> list[dict[str, dict[str, list[object]]]]:
     """What each of the three processes restored in each world (one run for all tests)."""
     pytest.importorskip("numpy", reason="multi-rank torch.distributed.checkpoint needs numpy")
     root = tmp_path_factory.mktemp("membership")
@@ -194,7 +196,7 @@ def restored(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[st
     }
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(p)],
+            warm_python([str(script), str(p)]),
             env={**env, "RANK": str(p)},
             stderr=subprocess.PIPE,
             text=True,

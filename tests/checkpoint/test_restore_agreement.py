@@ -19,12 +19,12 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import textwrap
 import uuid
 from pathlib import Path
 
 import pytest
+from warm_python import WarmPython
 
 from dlrover_hpc.checkpoint.testing import remove_job_segments
 from dlrover_hpc.checkpoint.trainer.restore_agreement import (
@@ -285,7 +285,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_two_ranks(tmp_path: Path, body: str, *, own_nodes: bool) -> list[list[list[object]]]:
+def _run_two_ranks(
+    tmp_path: Path, warm_python: WarmPython, body: str, *, own_nodes: bool
+) -> list[list[list[object]]]:
     """Runs `body` on two gloo ranks (each its own node when `own_nodes`); returns what each
     rank restored, after checking that both restored the same steps."""
     job = f"a{uuid.uuid4().hex[:10]}"
@@ -308,9 +310,7 @@ def _run_two_ranks(tmp_path: Path, body: str, *, own_nodes: bool) -> list[list[l
             "OMP_NUM_THREADS": "1",
         }
         procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True
-            )
+            subprocess.Popen(warm_python([str(script)]), env=env, stderr=subprocess.PIPE, text=True)
         )
     errors = []
     try:
@@ -333,7 +333,7 @@ def _run_two_ranks(tmp_path: Path, body: str, *, own_nodes: bool) -> list[list[l
     return outs
 
 
-def test_fsdp_ranks_fall_back_to_storage_together(tmp_path: Path) -> None:
+def test_fsdp_ranks_fall_back_to_storage_together(tmp_path: Path, warm_python: WarmPython) -> None:
     pytest.importorskip("numpy", reason="multi-rank torch.distributed.checkpoint needs numpy")
     expected = [
         ["one_rank_lost_memory", [3, "storage"], True],  # its part is nowhere else
@@ -342,13 +342,18 @@ def test_fsdp_ranks_fall_back_to_storage_together(tmp_path: Path) -> None:
         ["unreadable_inside_dcp", [3, "storage"], True],
         ["job_goes_on", [6, "memory"], True],
     ]
-    assert _run_two_ranks(tmp_path, FSDP_SCRIPT, own_nodes=False) == [expected, expected]
+    assert _run_two_ranks(tmp_path, warm_python, FSDP_SCRIPT, own_nodes=False) == [
+        expected,
+        expected,
+    ]
 
 
-def test_ddp_nodes_fall_back_together_or_take_a_peers_copy(tmp_path: Path) -> None:
+def test_ddp_nodes_fall_back_together_or_take_a_peers_copy(
+    tmp_path: Path, warm_python: WarmPython
+) -> None:
     """A copy that fails to load sends every rank to storage; a lost copy is replaced by the
     other node's (the state is replicated), sent over the process group."""
-    rank0, rank1 = _run_two_ranks(tmp_path, DDP_SCRIPT, own_nodes=True)
+    rank0, rank1 = _run_two_ranks(tmp_path, warm_python, DDP_SCRIPT, own_nodes=True)
     assert rank0 == [
         ["unreadable_on_one_node", [2, "storage"], True],
         ["one_node_lost_memory", [2, "memory"], True],

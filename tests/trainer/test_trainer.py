@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from warm_python import WarmPython
 
 from dlrover_hpc.trainer.elastic import ElasticDataLoader, ElasticDistributedSampler, ElasticTrainer
 
@@ -307,13 +308,16 @@ def rank_main(rank: int, world: int, phase: str, root: str) -> None:
 
 
 def run_ranks(root: str, world: int, phase: str) -> None:
-    """Starts ``world`` ranks, each in a fresh interpreter (no fork: nothing of a parent's
-    threads or locks is inherited), and waits for them."""
+    """Starts ``world`` ranks, each a fork of the tests' pre-warmed interpreter (single-threaded,
+    it never ran torch code: nothing of a parent's threads or locks is inherited), and waits
+    for them."""
     env = os.environ | {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     env["GLOO_SOCKET_IFNAME"] = "lo"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _load(f"t.rank_main({r}, {world}, {phase!r}, {root!r})")],
+            _warm(
+                Path(root), f"{phase}-rank{r}", f"t.rank_main({r}, {world}, {phase!r}, {root!r})"
+            ),
             env=env,
         )
         for r in range(world)
@@ -336,14 +340,26 @@ def run_ranks(root: str, world: int, phase: str) -> None:
         raise SystemExit(f"{phase}: rank exit codes {[p.returncode for p in procs]}")
 
 
+#: The socket of the pre-warmed interpreter, for the driver process that starts the ranks.
+WARM_SOCKET = "DLROVER_HPC_TEST_WARM_SOCKET"
+
+
 def _load(call: str) -> str:
     """Python code that imports this file as a module ``t`` and runs ``call``."""
     return (
-        f"import importlib.util, sys; sys.path.insert(0, {str(REPO)!r}); "
+        f"import importlib.util, sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]; "
         f"spec = importlib.util.spec_from_file_location('ranks', {__file__!r}); "
         "t = importlib.util.module_from_spec(spec); spec.loader.exec_module(t); "
         f"{call}"
     )
+
+
+def _warm(root: Path, name: str, call: str, socket: str | None = None) -> list[str]:
+    """The command line of a process forked from the pre-warmed interpreter at ``socket``
+    (by default the one ``WARM_SOCKET`` names), that runs ``call`` (see :func:`_load`)."""
+    script = root / f"{name}.py"
+    script.write_text(_load(call))
+    return WarmPython.of(socket or os.environ[WARM_SOCKET])([str(script)])
 
 
 def drive(root: str) -> None:
@@ -354,13 +370,16 @@ def drive(root: str) -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.runtime  # seven real ranks: not in make test-fast
-def test_gloo_ranks_4_then_3_train_as_one_large_batch(tmp_path: Path) -> None:
+def test_gloo_ranks_4_then_3_train_as_one_large_batch(
+    tmp_path: Path, warm_python: WarmPython
+) -> None:
     """4 DDP ranks (3 micro-steps of 2 per step) take 2 steps of the global batch 24 and
     checkpoint; 3 ranks (4 micro-steps) resume and finish the epoch of 96.  Each step's
     gradient is the 24-sample batch's, and the model ends as one process training on
     24-sample batches of the same permutation ends."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", _load(f"t.drive({str(tmp_path)!r})")],
+        _warm(tmp_path, "drive", f"t.drive({str(tmp_path)!r})", warm_python.socket_path),
+        env=os.environ | {WARM_SOCKET: warm_python.socket_path},
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
