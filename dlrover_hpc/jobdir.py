@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -18,6 +20,19 @@ MASTER_INFO = "master.json"  # written by the master once it listens: host, port
 #: workers' ElasticDataLoader reads it; ``dlrover-hpc batch-size`` writes it
 PARAL_CONFIG = "paral_config.json"
 PARAL_CONFIG_ENV = "DLROVER_PARAL_CONFIG_PATH"  # DLRover's variable
+
+
+def local_user() -> str:
+    """The name this process's files in a shared directory (``/tmp``, ``/dev/shm``) carry: its
+    effective user's, as the kernel knows it, not ``$USER`` or ``$LOGNAME``, which a job may
+    inherit from whoever submitted it (``runuser``, ``sbatch --export``); a name taken from
+    there could collide with another user's files on a shared node.  Only name-safe
+    characters; the uid where no name is known."""
+    try:
+        name = pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:  # a uid with no passwd entry (a container, a site's own NSS)
+        name = str(os.geteuid())
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
 def default_job_dir(env: Mapping[str, str] | None = None) -> str:

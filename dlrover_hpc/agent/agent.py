@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import getpass
 import logging
 import os
 import signal
@@ -31,6 +30,7 @@ from dlrover_hpc.checkpoint.saver.replicas import ReplicaServer
 from dlrover_hpc.config import RequeueBy, RunConfig
 from dlrover_hpc.diagnosis.classify import Diagnosis
 from dlrover_hpc.diagnosis.rules import FailureKind
+from dlrover_hpc.jobdir import local_user
 from dlrover_hpc.master.thread import MasterThread
 from dlrover_hpc.progress import PATH_ENV, StopNotice
 from dlrover_hpc.protocol import messages as m
@@ -50,7 +50,7 @@ LATE_FAILURE_WAIT_S = 2.0
 
 
 def new_zygote() -> Zygote:
-    return Zygote(f"/tmp/dlrover-hpc-{getpass.getuser()}-agent{os.getpid()}-zygote.sock")
+    return Zygote(f"/tmp/dlrover-hpc-{local_user()}-agent{os.getpid()}-zygote.sock")
 
 
 def zygote_env(config: RunConfig) -> dict[str, str]:

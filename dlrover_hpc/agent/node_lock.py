@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import fcntl
-import getpass
 import hashlib
 import os
 from pathlib import Path
 
 from dlrover_hpc.errors import DlroverHpcError
+from dlrover_hpc.jobdir import local_user
 
 
 def hold_node_lock(job_dir: Path, node: str) -> int:
@@ -20,7 +20,7 @@ def hold_node_lock(job_dir: Path, node: str) -> int:
     if not os.environ.get("SLURM_JOB_ID"):
         return -1
     key = hashlib.sha1(str(job_dir.resolve()).encode()).hexdigest()[:12]
-    path = f"/tmp/dlrover-hpc-{getpass.getuser()}-{key}-{node}.agent.lock"
+    path = f"/tmp/dlrover-hpc-{local_user()}-{key}-{node}.agent.lock"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

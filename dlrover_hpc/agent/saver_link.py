@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import getpass
 import logging
 import os
 import re
@@ -16,6 +15,7 @@ from dlrover_hpc.checkpoint.saver.host import SaverHost
 from dlrover_hpc.checkpoint.saver.replica_sender import ReplicaSender
 from dlrover_hpc.checkpoint.saver.replicas import ReplicaServer
 from dlrover_hpc.events import EventName
+from dlrover_hpc.jobdir import local_user
 from dlrover_hpc.protocol import messages as m
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class MasterEventSink:
 
 def saver_socket_path(job_id: str, node: str) -> str:
     """Names carry user, job and node, so two jobs on one node never collide."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{getpass.getuser()}-{job_id}-{node}")
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{local_user()}-{job_id}-{node}")
     return os.path.join("/tmp", f"dlrover-hpc-{safe}.sock")[:107]
 
 

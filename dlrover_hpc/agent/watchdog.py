@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import getpass
 import json
 import logging
 import os
@@ -37,6 +36,7 @@ from dlrover_hpc.agent.master_link import MasterLink
 from dlrover_hpc.agent.worker_hooks import STACK_SIGNAL, stack_file
 from dlrover_hpc.config import HANG_AUTO
 from dlrover_hpc.diagnosis import stacks as st
+from dlrover_hpc.jobdir import local_user
 from dlrover_hpc.protocol import messages as m
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def progress_template(job_id: str, node: str, agent_pid: int | None = None) -> s
     """Where each worker's progress record is, ``{}`` standing for its local rank: node-local
     (``/dev/shm``); names carry user, job, node and agent, so two jobs never collide and the
     records of a SIGKILLed agent can be told apart (:func:`sweep_stale`)."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{getpass.getuser()}-{job_id}-{node}")
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{local_user()}-{job_id}-{node}")
     pid = os.getpid() if agent_pid is None else agent_pid
     return os.path.join(_base(), f"dlrover-hpc-{safe}-a{pid}-{{}}.progress")
 
@@ -69,7 +69,7 @@ _RECORD_NAME = re.compile(
 def sweep_stale() -> list[str]:
     """Remove this user's progress records whose agent is gone (it was SIGKILLed)."""
     removed = []
-    prefix = f"dlrover-hpc-{re.sub(r'[^A-Za-z0-9_.-]', '_', getpass.getuser())}-"
+    prefix = f"dlrover-hpc-{local_user()}-"
     for name in os.listdir(_base()):
         found = _RECORD_NAME.match(name) if name.startswith(prefix) else None
         if found is None or psutil.pid_exists(int(found.group(1))):

@@ -58,7 +58,9 @@ def _install() -> None:
         return
     progress.adopt()  # forked from the zygote: the record is this worker's own
     _allow_stack_readers()
-    f = open(stack_file(path), "a")  # noqa: SIM115 - kept open for faulthandler
+    # Its own user's only, like the progress record beside it (a shared node's /dev/shm).
+    fd = os.open(stack_file(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    f = os.fdopen(fd, "a")  # kept open for faulthandler
     _keep.append(f)
     faulthandler.register(STACK_SIGNAL, file=f, all_threads=True, chain=False)
     # The first record tells the agent this process's pid, and that SIGUSR2 is safe to send.

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from runtime_helpers import REPO, TRAIN, events, job_fields, named, sbatch, wait_job, wait_training
+from runtime_helpers import TRAIN, events, job_fields, named, sbatch, wait_job, wait_training
 
 from dlrover_hpc.slurm.commands import show_node
 from dlrover_hpc.slurm.parse import node_state
@@ -149,40 +149,6 @@ def test_hot_spare_replaces_killed_node(local_slurm: LocalSlurm, shared_tmp: Pat
     last = _last_round_nodes(evs)
     assert len(last) == 3 and spare in last and victim not in last
     assert json.loads((shared_tmp / "result.json").read_text())["group_world_size"] == 3
-
-
-def test_two_jobs_on_the_same_nodes_do_not_collide(
-    local_slurm: LocalSlurm, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    works = []
-    for name in ("a", "b"):
-        work = tmp_path_factory.mktemp(f"job-{name}")
-        work.chmod(0o777)
-        works.append(work)
-    jobs = [
-        sbatch(
-            w,
-            2,
-            "--nnodes=2:2",
-            "--nproc-per-node=2",
-            *_train_args(w, steps=20),
-            extra=("-w", "node[2-3]"),
-        )
-        for w in works
-    ]
-    for work, job in zip(works, jobs, strict=True):
-        fields = wait_job(job, timeout_s=240)
-        assert fields["JobState"] == "COMPLETED", (work / f"slurm-{job}.out").read_text()[-3000:]
-        assert json.loads((work / "result.json").read_text())["final_step"] == 20
-        evs = events(_job_dir(work, job))
-        assert named(evs, "job_finished")[-1]["exit_code"] == 0
-        assert not named(evs, "worker_failed")
-    masters = [
-        json.loads((_job_dir(w, j) / "master.json").read_text())
-        for w, j in zip(works, jobs, strict=True)
-    ]
-    assert masters[0]["port"] != masters[1]["port"] or masters[0]["host"] != masters[1]["host"]
-    assert REPO.exists()
 
 
 def test_hardware_fault_drains_the_node_and_training_goes_on(
