@@ -35,7 +35,7 @@ USER = "dlrshared"  # not test_drain's user: tests side by side must not remove 
 PYTHON = "/usr/bin/python3.11"
 SITE = next((REPO / ".venv" / "lib").glob("python3*/site-packages"), None)
 FLASH = REPO / "examples" / "train_flash_ckpt.py"
-STEPS = 400
+STEPS = 300
 
 WRAPPER = """#!/bin/sh
 exec {python} -c 'import sys; from {module} import main; sys.exit(main())' "$@"
@@ -118,7 +118,7 @@ def _flash_args(work: Path) -> list[str]:
         str(FLASH),
         f"--steps={STEPS}",
         f"--ckpt-dir={work / 'ckpt'}",
-        "--save-every=1",
+        "--save-every=5",
         "--persist-every=50",
         "--replicas=1",
         "--step-time=0.05",
