@@ -19,6 +19,7 @@ from dlrover_hpc.master.nodes import NodeState
 from dlrover_hpc.master.phases import Phase
 from dlrover_hpc.master.stores import TorchStores
 from dlrover_hpc.protocol import messages as m
+from dlrover_hpc.testing import wait_for
 
 
 class Clock:
@@ -40,9 +41,13 @@ class Harness:
         self.requeued: list[str] = []
         self.tmp = tmp
         cfg = MasterConfig(nnodes=NodeRange.parse(nnodes), job_id="42", last_call_s=1.0, **config)
+        stores = TorchStores()
+        # The stores' torch import runs in the background, in real time, not on our clock: a
+        # round forms only once it is done (seconds on a loaded machine, cc52).
+        wait_for(stores.ready, timeout_s=120, what="torch imported for the round stores")
         self.job = Job(
             cfg,
-            stores=TorchStores(),
+            stores=stores,
             store_host="127.0.0.1",
             push=lambda agent, msg: self.pushed.append((agent, msg)),
             clock=self.clock,

@@ -20,6 +20,7 @@ from dlrover_hpc.master.journal import EventLog
 from dlrover_hpc.master.phases import Phase
 from dlrover_hpc.master.stores import TorchStores
 from dlrover_hpc.protocol import messages as m
+from dlrover_hpc.testing import wait_for
 
 
 def _free_port() -> int:
@@ -30,9 +31,11 @@ def _free_port() -> int:
 
 def _job(tmp: Path, events: EventLog, clock: list[float]) -> tuple[Job, AgentHandlers]:
     cfg = MasterConfig(nnodes=NodeRange.parse("2:2"), job_id="9", last_call_s=1.0)
+    stores = TorchStores()
+    wait_for(stores.ready, timeout_s=120, what="torch imported for the round stores")  # real time
     job = Job(
         cfg,
-        stores=TorchStores(),
+        stores=stores,
         store_host="127.0.0.1",
         push=lambda agent, msg: None,
         clock=lambda: clock[0],
