@@ -22,17 +22,21 @@ PARAL_CONFIG = "paral_config.json"
 PARAL_CONFIG_ENV = "DLROVER_PARAL_CONFIG_PATH"  # DLRover's variable
 
 
-def local_user() -> str:
-    """The name this process's files in a shared directory (``/tmp``, ``/dev/shm``) carry: its
-    effective user's, as the kernel knows it, not ``$USER`` or ``$LOGNAME``, which a job may
-    inherit from whoever submitted it (``runuser``, ``sbatch --export``); a name taken from
-    there could collide with another user's files on a shared node.  Only name-safe
-    characters; the uid where no name is known."""
+def user_name() -> str:
+    """This process's user as the kernel knows it (its effective uid), not ``$USER`` or
+    ``$LOGNAME``, which a job may inherit from whoever submitted it (``runuser``, ``sbatch
+    --export``); ``uid<N>`` for a uid with no passwd entry (a container, a site's own NSS)."""
     try:
-        name = pwd.getpwuid(os.geteuid()).pw_name
-    except KeyError:  # a uid with no passwd entry (a container, a site's own NSS)
-        name = str(os.geteuid())
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return f"uid{os.geteuid()}"
+
+
+def local_user() -> str:
+    """:func:`user_name` in the names of this process's files in a shared directory (``/tmp``,
+    ``/dev/shm``), with only name-safe characters: taken from the environment, a name could
+    collide with another user's files on a shared node."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", user_name())
 
 
 def default_job_dir(env: Mapping[str, str] | None = None) -> str:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import pwd
 import re
 import socket
 from collections.abc import Mapping
 
 from dlrover_hpc.errors import CheckpointError
+from dlrover_hpc.jobdir import user_name
 
 #: Environment variables set by the agent (dlrover-run) for its workers.
 ENV_SAVER_SOCKET = "DLROVER_HPC_SAVER_SOCKET"
@@ -43,10 +43,8 @@ def spill_dir() -> str:
 
 
 def current_user() -> str:
-    try:
-        return pwd.getpwuid(os.getuid()).pw_name
-    except KeyError:
-        return f"uid{os.getuid()}"
+    """The segments' user (see :func:`dlrover_hpc.jobdir.user_name`)."""
+    return user_name()
 
 
 def segment_prefix(*, user: str, job_id: str, node_name: str) -> str:

@@ -254,14 +254,20 @@ def test_all_workers_succeed_and_spares_are_told(tmp_path: Path) -> None:
     run(body)
 
 
+def _scale_up(h: Harness) -> tuple[list[str], str]:
+    """n1 and n2 train; n3 joins late and the master opens a round for it: (the two, n3)."""
+    agents = h.start("n1", "n2")
+    late = h.join("n3")
+    h.wait(late)
+    h.settle()
+    assert h.job.phase is Phase.RENDEZVOUS
+    return agents, late
+
+
 def test_scale_up_takes_in_a_late_node(tmp_path: Path) -> None:
     async def body() -> None:
         h = Harness(tmp_path, nnodes="2:3")
-        agents = h.start("n1", "n2")
-        late = h.join("n3")
-        h.wait(late)
-        h.settle()
-        assert h.job.phase is Phase.RENDEZVOUS
+        agents, late = _scale_up(h)
         h.rejoin(agents)
         h.settle()
         assert h.job.phase is Phase.RUNNING and h.job.round == 2 and h.job.restart_count == 0
@@ -276,11 +282,7 @@ def test_a_node_done_as_a_scale_up_opens_joins_the_new_round(tmp_path: Path) -> 
 
     async def body() -> None:
         h = Harness(tmp_path, nnodes="2:3")
-        a, b = h.start("n1", "n2")
-        late = h.join("n3")
-        h.wait(late)
-        h.settle()
-        assert h.job.phase is Phase.RENDEZVOUS
+        (a, b), _ = _scale_up(h)
         h.agents.workers_succeeded(m.WorkersSucceeded(agent_id=a, round=1))
         h.rejoin([b])
         h.settle()

@@ -175,8 +175,8 @@ def _root_job_on_node1(local_slurm: LocalSlurm, work: Path, job: str) -> dict:
     job_dir = work / ".dlrover-hpc" / job
     slurmd = local_slurm.slurmd_pids()["node1"]
     shm = Path(f"/proc/{slurmd}/root/dev/shm")
+    # Segments, replicas' copies, progress records and stack dumps: all named after user and job.
     names = [n for n in os.listdir(shm) if n.startswith(job_prefix(job))]
-    names += [n for n in os.listdir(shm) if n.startswith(f"dlrover-hpc-root-{job}-node1-")]
     procs = _node_processes(slurmd, job)
     serving = [p.cmdline() for p in procs if "dlrover_hpc.agent.zygote" in " ".join(p.cmdline())]
     sockets = [argv[argv.index("serve") + 1] for argv in serving if "serve" in argv]
@@ -186,7 +186,7 @@ def _root_job_on_node1(local_slurm: LocalSlurm, work: Path, job: str) -> dict:
     log = (work / f"slurm-{job}.out").read_text()
     return {
         "job_dir": str(job_dir),
-        "shm": [f"/dev/shm/{n}" for n in sorted(set(names))],
+        "shm": [f"/dev/shm/{n}" for n in sorted(names)],
         "sockets": sockets,
         "pids": workers[-1]["pids"] if workers else [],
         "master": [info["host"], info["port"]],
