@@ -1,0 +1,102 @@
+"""A framework's own checkpoint writer, run into a scratch directory and kept as objects.
+
+`captured_files(scratch)` runs a block (the framework's save) with `torch.save` and
+safetensors' `save_file` diverted: a call whose file lies under `scratch` keeps its object
+(no serialisation, no I/O); any other file the block writes there (JSON, a text file) is read
+back as bytes.  The result is a `FileSet` for `FileSetCheckpointer.save_files`, named as the
+framework named its files, so the framework's own loader reads what the saver writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from dlrover_hpc.checkpoint.trainer.file_set import SafetensorsFile
+
+#: modules that bind safetensors' save_file under a name of their own (imported before use)
+_SAFETENSORS_ALIASES = (
+    ("safetensors.torch", "save_file"),
+    ("transformers.modeling_utils", "safe_save_file"),
+)
+
+
+class CapturedFiles:
+    """What the block wrote under `scratch`: kept objects, then the files on disk."""
+
+    def __init__(self, scratch: str) -> None:
+        self.scratch = os.path.realpath(scratch)
+        self.kept: dict[str, Any] = {}
+
+    def relative(self, target: Any) -> str | None:
+        """`target`'s name under the scratch directory, None for a file elsewhere."""
+        if not isinstance(target, str | os.PathLike):
+            return None
+        path = os.path.realpath(os.fspath(target))
+        if not path.startswith(self.scratch + os.sep):
+            return None
+        return os.path.relpath(path, self.scratch)
+
+    def files(self, under: str = "") -> dict[str, Any]:
+        """The files under `scratch/under` (names relative to it): kept objects, and the bytes
+        of the files the block wrote there itself."""
+        root = os.path.join(self.scratch, under) if under else self.scratch
+        prefix = "" if not under else os.path.normpath(under) + os.sep
+        out = {
+            name[len(prefix) :]: obj for name, obj in self.kept.items() if name.startswith(prefix)
+        }
+        for directory, _, names in os.walk(root):
+            for name in sorted(names):
+                full = os.path.join(directory, name)
+                rel = os.path.relpath(full, root)
+                if rel not in out:
+                    with open(full, "rb") as f:
+                        out[rel] = f.read()
+        return out
+
+
+@contextlib.contextmanager
+def captured_files(scratch: str) -> Iterator[CapturedFiles]:
+    """Diverts torch.save and safetensors' save_file for files under `scratch` (this
+    thread's training code; the functions are module attributes, so the diversion is
+    process-wide for its duration: run nothing else that saves meanwhile)."""
+    captured = CapturedFiles(scratch)
+    real_save = torch.save
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        name = captured.relative(f)
+        if name is None:
+            real_save(obj, f, *args, **kwargs)
+            return
+        captured.kept[name] = obj
+
+    patched: list[tuple[Any, str, Any]] = [(torch, "save", real_save)]
+    for module_name, attr in _SAFETENSORS_ALIASES:
+        module = sys.modules.get(module_name)
+        real = getattr(module, attr, None) if module is not None else None
+        if real is not None:
+            patched.append((module, attr, real))
+    try:
+        torch.save = save
+        for module, attr, real in patched[1:]:
+            setattr(module, attr, _safetensors_saver(captured, real))
+        yield captured
+    finally:
+        for module, attr, real in patched:
+            setattr(module, attr, real)
+
+
+def _safetensors_saver(captured: CapturedFiles, real: Any) -> Any:
+    def save_file(tensors: Any, filename: Any, metadata: Any = None, *args: Any) -> None:
+        name = captured.relative(filename)
+        if name is None or args:
+            real(tensors, filename, metadata, *args)
+            return
+        captured.kept[name] = SafetensorsFile(dict(tensors), dict(metadata or {}) or None)
+
+    return save_file
