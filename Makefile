@@ -17,6 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	# torch 2.13.0 CPU build (on local disk here); pyproject keeps a range for users
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	# Lightning 2.1 for the framework matrix, beside the current one (PYTHONPATH=$(VENV)/pl21);
+	# its lightning_fabric needs pkg_resources, gone from setuptools 81
+	$(PY) -m pip install -q --target $(VENV)/pl21 --no-deps 'pytorch-lightning==2.1.4' 'setuptools<81'
 	touch $@
 
 venv: $(VENV)/.installed

@@ -12,17 +12,20 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from dlrover_hpc.checkpoint.trainer.file_set import SafetensorsFile
+from dlrover_hpc.checkpoint.api import StorageType
+from dlrover_hpc.checkpoint.trainer.file_set import FileSetCheckpointer, SafetensorsFile
 
 #: modules that bind safetensors' save_file under a name of their own (imported before use)
 _SAFETENSORS_ALIASES = (
     ("safetensors.torch", "save_file"),
     ("transformers.modeling_utils", "safe_save_file"),
+    ("accelerate.utils.other", "safe_save_file"),
 )
 
 
@@ -100,3 +103,43 @@ def _safetensors_saver(captured: CapturedFiles, real: Any) -> Any:
         captured.kept[name] = SafetensorsFile(dict(tensors), dict(metadata or {}) or None)
 
     return save_file
+
+
+class DirectoryCheckpointer:
+    """A framework's save into a directory, through shared memory: `save(step, path, write)`
+    runs `write(directory)` (the framework's own save, e.g. `accelerator.save_state`) into a
+    scratch directory with its files captured, and saves them as `path`'s files."""
+
+    def __init__(
+        self, checkpoint_dir: str, *, keep_last: int | None = None, replica_count: int = 0
+    ) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpointer = FileSetCheckpointer(
+            checkpoint_dir, keep_last=keep_last, replica_count=replica_count
+        )
+
+    def save(
+        self,
+        step: int,
+        path: str,
+        write: Callable[[str], Any],
+        storage_type: StorageType | str = StorageType.DISK,
+    ) -> bool:
+        """Every rank calls it, each with its own files; `storage_type` MEMORY or DISK (or
+        their values, "memory" and "disk")."""
+        with tempfile.TemporaryDirectory(prefix="dlrover-hpc-ckpt-") as scratch:
+            target = os.path.join(scratch, "step")
+            os.makedirs(target)
+            with captured_files(scratch) as captured:
+                write(target)
+            files = captured.files("step")
+        return self.checkpointer.save_files(step, files, path, StorageType(storage_type))
+
+    def last_checkpoint(self) -> str | None:
+        """The directory of the newest step (memory first, its files written to storage
+        when they are not there); None when there is none.  Every rank calls it."""
+        found = self.checkpointer.restore_files()
+        return None if found is None else found[1]
+
+    def wait_latest_checkpoint(self, timeout: float = 1800) -> bool:
+        return self.checkpointer.wait_latest_checkpoint(timeout)
