@@ -20,6 +20,9 @@ $(VENV)/.installed: pyproject.toml
 	# Lightning 2.1 for the framework matrix, beside the current one (PYTHONPATH=$(VENV)/pl21);
 	# its lightning_fabric needs pkg_resources, gone from setuptools 81
 	$(PY) -m pip install -q --target $(VENV)/pl21 --no-deps 'pytorch-lightning==2.1.4' 'setuptools<81'
+	# DeepSpeed for the framework matrix: an sdist whose build imports torch, so it is built
+	# against the torch above (an isolated build would fetch another torch); no op is built
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation 'deepspeed==0.19.8'
 	touch $@
 
 venv: $(VENV)/.installed

@@ -45,7 +45,8 @@ def hf(args: argparse.Namespace, root: str) -> dict[str, float]:
     for name, cls in (("own", Trainer), ("flash", FlashCkptTrainer)):
         targs = TrainingArguments(
             output_dir=os.path.join(root, f"hf-{name}"), max_steps=1, report_to=[],
-            use_cpu=True, disable_tqdm=True, save_strategy="no", per_device_train_batch_size=4,
+            use_cpu=not args.cuda, disable_tqdm=True, save_strategy="no",
+            per_device_train_batch_size=4,
         )  # fmt: skip
         trainer = cls(model=GPT2LMHeadModel(config), args=targs, train_dataset=data)
         trainer.train()  # optimizer state exists
@@ -88,7 +89,8 @@ def lightning(args: argparse.Namespace, root: str) -> dict[str, float]:
 
     flash = FlashCheckpoint(os.path.join(root, "pl-flash"), memory_every_n_steps=0)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=1, callbacks=[flash], logger=False,
+        accelerator="gpu" if args.cuda else "cpu", devices=1, max_steps=1, callbacks=[flash],
+        logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
     )  # fmt: skip
     data = torch.utils.data.TensorDataset(torch.randn(8, args.dim * 2))
@@ -111,10 +113,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--dir", default="")
+    p.add_argument("--cuda", action="store_true", help="the model and its state on the GPU")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir or None) as root:
         result: dict[str, Any] = {
             "benchmark": "framework_ckpt",
+            "device": torch.cuda.get_device_name() if args.cuda else "cpu",
             "dim": args.dim,
             "layers": args.layers,
         }

@@ -66,6 +66,16 @@ _RECORD_NAME = re.compile(
 )
 
 
+def _alive(pid: int) -> bool:
+    """The process runs (not gone, not a zombie left for its parent to reap)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True
+
+
 def sweep_stale() -> list[str]:
     """Remove this user's progress records whose agent is gone (it was SIGKILLed)."""
     removed = []
@@ -266,6 +276,11 @@ class Watchdog:
             record = progress.read(r.path)
             r.seen(record)
             section = progress.read_section(r.path)
+            if section is None and not _alive(r.pid):
+                # It exited and the round goes on: it finished (a failure ends the round
+                # within a monitor interval), and its peers are in their teardown
+                section = r.section if r.section and r.section.name == "exit" else None
+                section = section or progress.Section("exit", time.time())
             if section != r.section:
                 r.section, r.changed_at = section, now  # a phase began or ended
             section = section or r.stack_phase

@@ -77,6 +77,11 @@ STOPPED_BOUND_S = 10.0
 #: ``auto``: each section's own bound, unless the script gave one; other names get ``eval``'s.
 #: A rank in a section also progresses while it (or a data-loader worker) uses CPU.
 SECTION_BOUNDS_S = {"checkpoint": 600.0, "eval": 600.0, "data": 300.0, "warmup": WARMUP_BOUND_S}
+#: The job is ending: a rank's process has exited (``exit``, from its agent) or a node's
+#: workers all succeeded.  The ranks left are in their teardown (destroying process groups,
+#: joining threads), where no step comes; a rank that exits before a peer leaves its last
+#: collective must not make that peer a hang.  Every rank gets at least this bound.
+SECTION_BOUNDS_S["exit"] = ENDING_BOUND_S = 300.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -129,10 +134,14 @@ def hung_ranks(
     now: float,
     timeout_s: float,
     warmup_s: float = WARMUP_BOUND_S,
+    ending: bool = False,
 ) -> Bound | None:
     """Every rank went without progress for its bound (each report aged by the time since it
     arrived): the longest of those bounds, the one that decided; or, with ``auto``, one rank
-    stopped by a signal for :data:`STOPPED_BOUND_S`.  None while neither is so."""
+    stopped by a signal for :data:`STOPPED_BOUND_S`.  None while neither is so.  ``ending``
+    (a node finished) or a rank in the ``exit`` section: every bound is at least
+    :data:`ENDING_BOUND_S` (with ``auto``)."""
+    ending = ending or any(p.section == "exit" for p, _ in seen)
     if not seen or not timeout_s:
         return None
     if timeout_s == HANG_AUTO and any(
@@ -143,6 +152,8 @@ def hung_ranks(
     longest: Bound | None = None
     for p, at in seen:
         bound = rank_bound(p, timeout_s=timeout_s, p99_s=p99, warmup_s=warmup_s)
+        if ending and timeout_s == HANG_AUTO and bound.seconds < ENDING_BOUND_S:
+            bound = Bound(ENDING_BOUND_S, "job ending")
         # In a section, CPU use is progress; with auto, a section the script gave no bound
         # that is open past the ceiling without a step is not (a rank that spins in a
         # collective it will never leave).  ``section_s`` counts from the newer of the
@@ -322,7 +333,13 @@ class HangWatch:
             self._round_began = None  # measured once per round
         warmup_s = warmup_bound(self.longest_warmup_s)
         bound = (
-            hung_ranks(seen, now=now, timeout_s=self.timeout_s, warmup_s=warmup_s)
+            hung_ranks(
+                seen,
+                now=now,
+                timeout_s=self.timeout_s,
+                warmup_s=warmup_s,
+                ending=any(n.state is NodeState.DONE for n in job.participants()),
+            )
             if ready
             else None
         )

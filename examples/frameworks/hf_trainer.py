@@ -66,6 +66,7 @@ def main() -> None:
     p.add_argument("--flash", action="store_true")
     p.add_argument("--kill-at-step", type=int, default=-1)
     p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--cuda", action="store_true", help="train on the GPU (default: the CPU)")
     a = p.parse_args()
     torch.manual_seed(0)
     config = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=64)
@@ -77,7 +78,7 @@ def main() -> None:
         learning_rate=1e-3,
         logging_steps=10,
         report_to=[],
-        use_cpu=True,
+        use_cpu=not a.cuda,
         disable_tqdm=True,
         dataloader_num_workers=0,
     )

@@ -192,3 +192,26 @@ def test_membership_files_round_trip_and_go_with_the_worker(tmp_path: Path) -> N
     assert membership.read_notice(record) is None
     membership.clear(record)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_worker_that_exited_while_its_round_goes_on_is_reported_as_ending(
+    tmp_path: Path,
+) -> None:
+    """The master gives the job its ending bound (no hang while peers tear down)."""
+    proc, path = _start(tmp_path, steps=2)
+    dog = wd.Watchdog(sample_s=60.0)
+    try:
+        dog.start_round({0: (0, proc.pid, path)})
+        wait_for(lambda: getattr(progress.read(path), "step", 0) == 2, timeout_s=20, what="2")
+        [p] = dog.poll()
+        assert p.section == "", p
+        proc.terminate()
+        proc.wait()
+        [p] = dog.poll()
+        assert p.section == "exit" and p.stalled_s < 1.0, p
+        time.sleep(0.3)
+        [p] = dog.poll()  # the section stays, the time in it grows
+        assert p.section == "exit" and p.stalled_s >= 0.3, p
+    finally:
+        _stop(proc, path)
+        dog.stop_round()

@@ -62,6 +62,25 @@ def test_auto_bounds_come_from_the_step_times_sections_and_warm_up() -> None:
     )
 
 
+def test_a_job_ending_is_no_hang_until_the_ending_bound() -> None:
+    """Seen in the framework matrix: a rank exited (its training done) while a peer stayed in
+    its teardown for 30 s; with the step-statistics bound that was a hang, and a restart."""
+    stalled = [(_p(0, 31.0), 10.0), (_p(1, 31.0), 10.0)]
+    assert hangs.hung_ranks(stalled, now=10.0, timeout_s=AUTO) == hangs.Bound(
+        30.0, "step statistics"
+    )
+    # a node finished (the master's table), or the agent saw a rank's process exit
+    assert not hangs.hung_ranks(stalled, now=10.0, timeout_s=AUTO, ending=True)
+    gone = [(_p(0, 31.0), 10.0), (_p(1, 31.0, section="exit"), 10.0)]
+    assert not hangs.hung_ranks(gone, now=10.0, timeout_s=AUTO)
+    # a teardown that never ends is still found, after the ending bound
+    assert hangs.hung_ranks(gone, now=10.0 + hangs.ENDING_BOUND_S, timeout_s=AUTO) == (
+        hangs.Bound(hangs.ENDING_BOUND_S, "job ending")
+    )
+    # a fixed --hang-timeout stays what the user asked for
+    assert hangs.hung_ranks(stalled, now=10.0, timeout_s=20.0, ending=True)
+
+
 def test_a_rank_within_its_section_bound_keeps_the_job_from_a_hang() -> None:
     waiting = [(_p(0, 31.0), 10.0), (_p(1, 31.0), 10.0)]
     assert hangs.hung_ranks(waiting, now=10.0, timeout_s=AUTO) == hangs.Bound(

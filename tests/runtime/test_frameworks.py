@@ -4,8 +4,8 @@ nodes x 2 processes, rank 3 (on the second node) SIGKILLed before step 16 of 30.
 framework's own checkpoints (every 10 steps) the job resumes at step 10, losing 5 steps; with
 our flash checkpoint (memory every step) at step 15, losing none.  Lightning runs twice: the
 current release and 2.1 (`pytorch_lightning`, which picks its SLURM environment from
-SLURM_NTASKS and SLURM_PROCID: the workers' values must be theirs, not the agent's).  The jobs
-run side by side."""
+SLURM_NTASKS and SLURM_PROCID: the workers' values must be theirs, not the agent's).  DeepSpeed
+runs ZeRO stage 1 on the CPU (gloo, torch's AdamW: no op built).  The jobs run side by side."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ MATRIX: dict[str, tuple[str, list[str], dict[str, str], bool]] = {
     "lightning21-flash": ("lightning_train.py", ["--pytorch-lightning", "--flash"], OLD, True),
     "accelerate-own": ("accelerate_train.py", [], {}, False),
     "accelerate-flash": ("accelerate_train.py", ["--flash"], {}, True),
+    "deepspeed-own": ("deepspeed_train.py", [], {}, False),
+    "deepspeed-flash": ("deepspeed_train.py", ["--flash"], {}, True),
 }  # fmt: skip
 
 

@@ -101,8 +101,21 @@ dlrover.python.common.storage -> dlrover_hpc.trainer.storage
   PosixStorageWithDeletion, get_checkpoint_storage, ClassMeta
                      ACCEPTED (same methods); as `storage=`, see above.
 
-Not provided (importing them fails): deepspeed.DeepSpeedCheckpointer, megatron and
-megatron_dist_ckpt (Megatron-LM's save/load_checkpoint), hf_trainer.FlashCkptTrainer, and
+hf_trainer.FlashCkptTrainer(...)  ACCEPTED: a drop-in for HF's Trainer; get_last_checkpoint(),
+                       wait_latest_checkpoint(timeout) as DLRover's.  Ours also saves to memory
+                       every step (memory_save_steps=1).
+deepspeed.DeepSpeedCheckpointer(engine, checkpoint_dir, comm_backend="",
+                                deletion_strategy=None, save_timeout=600)
+                     ACCEPTED; save_checkpoint(save_dir, tag=None, client_state={},
+                       save_latest=True, storage_type=DISK) and load_checkpoint(load_dir, tag,
+                       ...) as DeepSpeed's engine methods.  MAPPED: DeepSpeed's `latest` file is
+                       not written (load_checkpoint() finds the newest step).
+Ours, beyond DLRover: lightning_ckpt.FlashCheckpoint (a Lightning callback) and
+capture.DirectoryCheckpointer (any framework's directory save: accelerate, Megatron-Core's
+dist_checkpointing).
+
+Not provided (importing them fails): megatron and megatron_dist_ckpt (Megatron-LM's
+save/load_checkpoint; Megatron-LM's training package is not on the package index), and
 DLRover's engines (engine, full_ckpt_engine, fsdp_engine, replica).
 
 Without dlrover-run (plain torchrun, one process) DLRover starts a saver process; ours
