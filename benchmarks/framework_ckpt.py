@@ -1,10 +1,10 @@
 """Blocking time of a checkpoint save per framework: the framework's own save against our
 flash save (to memory; and to memory then storage, persisted in the background), the same
-model and state in the same run, one process on the CPU (no agent: the persist runs on a
-thread of this process).  Prints one JSON line: seconds per save (median of --repeat) and the
-ratio own / flash.
+model and state in the same run, one process (no agent: the persist runs on a thread of this
+process), for HF's Trainer, Lightning, accelerate and DeepSpeed (ZeRO stage 1).  Prints one
+JSON line: seconds per save (median of --repeat) and the ratio own / flash.
 
-    python benchmarks/framework_ckpt.py [--dim 512] [--layers 8] [--repeat 5] [--dir DIR]
+    python benchmarks/framework_ckpt.py [--dim 512] [--layers 8] [--repeat 5] [--dir DIR] [--cuda]
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import tempfile
 import time
@@ -107,6 +108,73 @@ def lightning(args: argparse.Namespace, root: str) -> dict[str, float]:
     return out
 
 
+def _mlp(args: argparse.Namespace) -> torch.nn.Module:
+    width = args.dim * 2
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(args.layers * 3)])
+
+
+def accelerate(args: argparse.Namespace, root: str) -> dict[str, float]:
+    from accelerate import Accelerator
+
+    from dlrover_hpc.trainer.flash_checkpoint.capture import DirectoryCheckpointer
+
+    acc = Accelerator(cpu=not args.cuda)
+    model = _mlp(args)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    acc.backward(model(torch.randn(4, args.dim * 2, device=acc.device)).square().mean())
+    opt.step()
+    flash = DirectoryCheckpointer(os.path.join(root, "ac-flash"))
+
+    def save(i: int, kind: str) -> None:
+        flash.save(i, os.path.join(root, "ac-flash", f"checkpoint-{i}"), acc.save_state, kind)
+
+    out = {"own_s": median_s(lambda i: acc.save_state(os.path.join(root, f"ac-{i}")), args.repeat)}
+    out["flash_memory_s"] = median_s(lambda i: save(100 + i, "memory"), args.repeat)
+    out["flash_disk_s"] = median_s(lambda i: save(200 + i, "disk"), args.repeat)
+    flash.wait_latest_checkpoint(600)
+    flash.checkpointer.close()
+    return out
+
+
+def deepspeed(args: argparse.Namespace, root: str) -> dict[str, float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                 "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():  # fmt: skip
+        os.environ.setdefault(k, v)
+    import deepspeed as ds
+
+    from dlrover_hpc.trainer.flash_checkpoint.deepspeed import (
+        DeepSpeedCheckpointer,
+        StorageType,
+    )
+
+    model = _mlp(args)
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 1},
+    }
+    engine, _, _, _ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+    x = torch.randn(4, args.dim * 2, device=engine.device)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    flash = DeepSpeedCheckpointer(engine, os.path.join(root, "ds-flash"))
+    own_dir = os.path.join(root, "ds-own")
+    out = {"own_s": median_s(lambda i: engine.save_checkpoint(own_dir, tag=f"t{i}"), args.repeat)}
+    for kind in (StorageType.MEMORY, StorageType.DISK):
+        out[f"flash_{kind.value}_s"] = median_s(
+            lambda i, k=kind: flash.save_checkpoint(
+                flash.checkpoint_dir, f"{k.value}{i}", None, True, k
+            ),
+            args.repeat,
+        )
+    flash.wait_latest_checkpoint(600)
+    flash.close()
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dim", type=int, default=512)
@@ -122,7 +190,13 @@ def main() -> None:
             "dim": args.dim,
             "layers": args.layers,
         }
-        for name, fn in (("hf_trainer", hf), ("lightning", lightning)):
+        frameworks = (
+            ("hf_trainer", hf),
+            ("lightning", lightning),
+            ("accelerate", accelerate),
+            ("deepspeed", deepspeed),
+        )
+        for name, fn in frameworks:
             r = fn(args, root)
             r["own_over_flash_memory"] = round(r["own_s"] / r["flash_memory_s"], 2)
             result[name] = {k: round(v, 4) for k, v in r.items()}
