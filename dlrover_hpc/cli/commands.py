@@ -321,6 +321,12 @@ def register_status(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--job-dir", default=env_default("job_dir", None), help="job directory")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
+        "--nodes",
+        action="store_true",
+        help="every node's row (default: every node up to 32; past that a summary: the counts "
+        "by state, the slowest nodes, the stragglers' and those not running)",
+    )
+    p.add_argument(
         "--watch",
         nargs="?",
         type=float,
@@ -342,8 +348,12 @@ def _status(args: argparse.Namespace) -> int:
             raise UsageError(f"--watch={args.watch:g}: expected seconds between refreshes, > 0")
         from dlrover_hpc.master.watch import watch_status
 
-        return watch_status(master=args.master, job_dir=args.job_dir, interval_s=args.watch)
-    return print_status(master=args.master, job_dir=args.job_dir, as_json=args.json)
+        return watch_status(
+            master=args.master, job_dir=args.job_dir, interval_s=args.watch, nodes=args.nodes
+        )
+    return print_status(
+        master=args.master, job_dir=args.job_dir, as_json=args.json, nodes=args.nodes
+    )
 
 
 def register_report(sub: argparse._SubParsersAction) -> None:

@@ -8,6 +8,7 @@ node record the message is about and hands the decision to :mod:`dlrover_hpc.mas
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
@@ -16,7 +17,7 @@ from dlrover_hpc.events import EventName
 from dlrover_hpc.master import decisions as d
 from dlrover_hpc.master.hangs import HangWatch
 from dlrover_hpc.master.job import Job
-from dlrover_hpc.master.nodes import NodeRecord, NodeState, node_rows
+from dlrover_hpc.master.nodes import NodeRecord, NodeState, node_rows, summary_rows
 from dlrover_hpc.master.phases import FORMING, Phase
 from dlrover_hpc.master.steps import StepLog
 from dlrover_hpc.protocol import messages as m
@@ -42,7 +43,7 @@ class AgentHandlers:
         return rec
 
     # ------------------------------------------------------------ messages
-    def status(self, _msg: m.StatusRequest | None = None) -> m.StatusReply:
+    def status(self, msg: m.StatusRequest | None = None) -> m.StatusReply:
         job, steps = self.job, self.steps
         rows = [
             dataclasses.replace(row, step=steps.node_steps.get(row.node, -1))
@@ -50,6 +51,11 @@ class AgentHandlers:
             else row
             for row in node_rows(job.nodes.values())
         ]
+        states = collections.Counter(str(r.state) for r in rows)
+        stragglers = self.hangs.straggler_nodes() if self.hangs is not None else []
+        summary = msg is not None and not msg.nodes and len(rows) > m.SUMMARY_OVER
+        if summary:
+            rows = summary_rows(rows, set(stragglers))
         return m.StatusReply(
             job_id=job.config.job_id,
             state=job.phase.value,
@@ -59,6 +65,9 @@ class AgentHandlers:
             nodes=rows,
             step=steps.step,
             step_rate=round(steps.step_rate(), 3),
+            summary=summary,
+            node_states=dict(states),
+            stragglers=stragglers,
         )
 
     def join(self, msg: m.Join) -> m.JoinReply:

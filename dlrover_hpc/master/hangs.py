@@ -453,6 +453,11 @@ class HangWatch:
             if swap:
                 self._swap = node
 
+    def straggler_nodes(self) -> list[str]:
+        """The nodes of the stragglers reported in this round (and slow links), sorted."""
+        nodes = {self._seen[r].node for r in self._reported if r in self._seen}
+        return sorted(nodes | self._reported_links)
+
     def committed(self) -> None:
         """A checkpoint was committed: the time to swap a straggler's node for a spare."""
         node, self._swap = self._swap, None

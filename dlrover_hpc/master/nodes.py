@@ -11,7 +11,15 @@ from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.messages import NodeState
 from dlrover_hpc.rendezvous.ranking import RankInput
 
-__all__ = ["Clock", "NodeRecord", "NodeState", "StoreFactory", "node_rows", "round_assignments"]
+__all__ = [
+    "Clock",
+    "NodeRecord",
+    "NodeState",
+    "StoreFactory",
+    "node_rows",
+    "round_assignments",
+    "summary_rows",
+]
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -115,3 +123,19 @@ def node_rows(records: Iterable[NodeRecord]) -> list[m.NodeRow]:
         )
         for n in ordered
     ]
+
+
+#: a status summary shows this many of the slowest running nodes, and of the others
+SLOWEST_SHOWN, OTHERS_SHOWN = 5, 20
+
+
+def summary_rows(rows: list[m.NodeRow], stragglers: set[str]) -> list[m.NodeRow]:
+    """The rows a summary keeps, in the table's order: the slowest running nodes (lowest
+    step), the stragglers', and the first nodes that are not running (lost, excluded,
+    waiting)."""
+    running = [r for r in rows if r.state in (NodeState.ACTIVE, NodeState.DONE)]
+    slowest = sorted(running, key=lambda r: (r.step, r.rank))[:SLOWEST_SHOWN]
+    others = [r for r in rows if r.state not in (NodeState.ACTIVE, NodeState.DONE)]
+    keep = {id(r) for r in slowest + others[:OTHERS_SHOWN]}
+    keep |= {id(r) for r in rows if r.node in stragglers}
+    return [r for r in rows if id(r) in keep]

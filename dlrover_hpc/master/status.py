@@ -8,6 +8,7 @@ without a live master (no ``master.json``, a stale or unreadable one) is a Dlrov
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import os
@@ -160,24 +161,50 @@ def unreachable(info: MasterInfo, exc: BaseException) -> DlroverHpcError:
     )
 
 
-async def fetch_status(host: str, port: int, token: str) -> m.StatusReply:
+async def fetch_status(host: str, port: int, token: str, *, nodes: bool = True) -> m.StatusReply:
+    """The master's status; `nodes=False`: a summary when the job is large (see
+    `m.StatusRequest`)."""
     client = await MasterClient.connect(host, port, token=token, timeout_s=STATUS_TIMEOUT_S)
     try:
-        return await client.request(m.StatusRequest(), m.StatusReply, timeout_s=STATUS_TIMEOUT_S)
+        return await client.request(
+            m.StatusRequest(nodes=nodes), m.StatusReply, timeout_s=STATUS_TIMEOUT_S
+        )
     finally:
         await client.close()
 
 
+def nodes_line(status: m.StatusReply) -> str:
+    """``nodes: 4096 (active 4090, waiting 2, lost 4)``, the most common state first."""
+    counts = status.node_states or dict(collections.Counter(str(n.state) for n in status.nodes))
+    parts = ", ".join(f"{s} {c}" for s, c in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return f"nodes: {sum(counts.values())} ({parts})"
+
+
 def format_status(status: m.StatusReply) -> str:
+    step = str(status.step) if status.step >= 0 else "-"
     lines = [
         f"job {status.job_id}: {status.state}, round {status.round}, "
-        f"restarts {status.restart_count}/{status.max_restarts}",
-        f"{'NODE':<16}{'RANK':>5}  {'STATE':<10}{'ROUND':>6}{'NPROC':>6}  AGENT",
+        f"restarts {status.restart_count}/{status.max_restarts}, step {step} "
+        f"({status.step_rate:.2f}/s)"
+        + (f", goodput so far {status.goodput:.1%}" if status.goodput >= 0 else ""),
+        nodes_line(status),
     ]
+    if status.stragglers:
+        lines.append(f"stragglers: {', '.join(status.stragglers)}")
+    if status.summary:
+        lines.append(
+            "the slowest running nodes, the stragglers' and those not running "
+            "(dlrover-hpc status --nodes: every node):"
+        )
+    lines.append(
+        f"{'NODE':<16}{'RANK':>5}  {'STATE':<10}{'ROUND':>6}{'STEP':>8}{'NPROC':>6}  AGENT"
+    )
     for n in status.nodes:
         rank = str(n.rank) if n.rank >= 0 else "-"
+        node_step = str(n.step) if n.step >= 0 else "-"
         lines.append(
-            f"{n.node:<16}{rank:>5}  {n.state!s:<10}{n.round:>6}{n.nproc:>6}  {n.agent_id}"
+            f"{n.node:<16}{rank:>5}  {n.state!s:<10}{n.round:>6}{node_step:>8}{n.nproc:>6}  "
+            f"{n.agent_id}"
         )
     return "\n".join(lines)
 
@@ -203,10 +230,14 @@ def find_master(master: str | None, job_dir: str | None) -> tuple[MasterInfo, st
     return info, token
 
 
-def print_status(*, master: str | None, job_dir: str | None, as_json: bool) -> int:
+def print_status(
+    *, master: str | None, job_dir: str | None, as_json: bool, nodes: bool = False
+) -> int:
+    """The job's status: every node with `nodes` or up to `m.SUMMARY_OVER` nodes, else a
+    summary."""
     info, token = find_master(master, job_dir)
     try:
-        status = asyncio.run(fetch_status(info.host, info.port, token))
+        status = asyncio.run(fetch_status(info.host, info.port, token, nodes=nodes))
     except (OSError, TimeoutError) as exc:
         raise unreachable(info, exc) from None
     if as_json:

@@ -34,9 +34,15 @@ def table(s: m.StatusReply, *, at: float) -> Group:
         f": {s.state}, round {s.round}, restarts {s.restart_count}/{s.max_restarts}, ",
         f"step {s.step if s.step >= 0 else '-'} ({s.step_rate:.2f}/s), goodput so far ",
         (goodput, "bold"),
-        f", last checkpoint {ckpt}",
+        f", last checkpoint {ckpt}\n{st.nodes_line(s)}",
+        f"\nstragglers: {', '.join(s.stragglers)}" if s.stragglers else "",
     )
-    t = Table(caption=time.strftime("updated %H:%M:%S", time.localtime(at)), caption_justify="left")
+    caption = time.strftime("updated %H:%M:%S", time.localtime(at))
+    if s.summary:
+        caption += (
+            "; the slowest running nodes, the stragglers' and those not running (--nodes: all)"
+        )
+    t = Table(caption=caption, caption_justify="left")
     for name in ("node", "rank", "state", "round", "step", "procs", "agent"):
         t.add_column(
             name, justify="right" if name in ("rank", "round", "step", "procs") else "left"
@@ -79,6 +85,7 @@ def watch_status(
     job_dir: str | None,
     interval_s: float = 2.0,
     console: Console | None = None,
+    nodes: bool = False,
 ) -> int:
     console = console or Console()
     if job_dir:  # it may not exist yet: a job just submitted makes it when its master starts
@@ -97,7 +104,7 @@ def watch_status(
                         "(is the job still pending? see squeue)"
                     )
                 info, token = st.find_master(master, job_dir)
-                last = asyncio.run(st.fetch_status(info.host, info.port, token))
+                last = asyncio.run(st.fetch_status(info.host, info.port, token, nodes=nodes))
             except DlroverHpcError as exc:  # no master.json yet, or a stale one
                 problem = str(exc)
             except (OSError, TimeoutError) as exc:

@@ -212,6 +212,13 @@ class Ack(Message):
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class StatusRequest(Message):
     TYPE: ClassVar[str] = "status"
+    #: every node's row; False: a summary when the job has more than SUMMARY_OVER nodes (the
+    #: counts by state and the rows worth a look), as ``dlrover-hpc status`` asks unless --nodes
+    nodes: bool = True
+
+
+#: up to this many nodes ``status`` shows every one even when a summary was asked for
+SUMMARY_OVER = 32
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -241,6 +248,11 @@ class StatusReply(Message):
     goodput: float = -1.0  # so far, as `dlrover-hpc report` computes it (-1: unknown)
     checkpoint_step: int = -1  # the newest committed checkpoint (-1: none)
     checkpoint_age_s: float = -1.0
+    #: True: ``nodes`` holds only the rows worth a look (the slowest, those not running, the
+    #: stragglers'); ``node_states`` counts them all by state
+    summary: bool = False
+    node_states: dict[str, int] = dataclasses.field(default_factory=dict)
+    stragglers: list[str] = dataclasses.field(default_factory=list)  # nodes, this round
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

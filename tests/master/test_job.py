@@ -445,3 +445,30 @@ def test_the_round_does_not_wait_for_an_agent_whose_connection_dropped(tmp_path:
         assert h.events("rendezvous_complete")[-1]["nodes"] == ["n1", "n2"]
 
     run(body)
+
+
+def test_status_of_a_large_job_is_a_summary_unless_every_node_is_asked_for(
+    tmp_path: Path,
+) -> None:
+    """Past SUMMARY_OVER nodes, ``dlrover-hpc status`` gets the counts by state and the rows
+    worth a look (the slowest running nodes, those not running), not one row per node."""
+    from dlrover_hpc.master.status import format_status
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="40:40")
+        agents = [h.join(f"n{i:02d}") for i in range(41)]  # 40 run, 1 waits as a spare
+        for a in agents:
+            h.wait(a)
+        h.settle(1.5)
+        assert h.job.phase is Phase.RUNNING
+        full = h.agents.status(m.StatusRequest(nodes=True))
+        assert len(full.nodes) == 41 and not full.summary
+        summary = h.agents.status(m.StatusRequest(nodes=False))
+        assert summary.summary and summary.node_states == {"active": 40, "waiting": 1}
+        # the 5 slowest running nodes (no step yet: rank order) and the waiting one
+        assert [r.node for r in summary.nodes] == ["n00", "n01", "n02", "n03", "n04", "n40"]
+        text = format_status(summary)
+        assert "nodes: 41 (active 40, waiting 1)" in text and "--nodes" in text
+        assert len(text.splitlines()) == 4 + len(summary.nodes)
+
+    run(body)
