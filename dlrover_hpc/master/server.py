@@ -9,6 +9,7 @@ import errno
 import json
 import logging
 import os
+import resource
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -42,6 +43,34 @@ AUTH_TIMEOUT_S = 10.0
 SUPERSEDED = 75
 #: A connection that failed with these saw no answer for the link timeout: no reconnect grace.
 _LINK_ERRNOS = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH})
+
+
+#: files the master holds beside one connection per agent (logs, journal, stores, clients)
+SPARE_FILES = 512
+
+
+def raise_open_files_limit(nodes: int) -> None:
+    """One connection per agent: the soft limit on open files (1,024 by default on many
+    clusters) would refuse agents past about a thousand.  Raise it to the hard limit, and say
+    so when even that is short of ``nodes`` connections."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = nodes + SPARE_FILES
+    if soft < want and soft != hard:
+        new = hard if hard == resource.RLIM_INFINITY else min(hard, max(want, soft))
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-files limit from %d: %s", soft, exc)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        log.warning(
+            "open-files limit %d is short of %d (one connection per node, up to %d nodes): "
+            "agents past it are refused; raise the hard limit (ulimit -Hn, or Slurm's "
+            "PropagateResourceLimits)",
+            soft,
+            want,
+            nodes,
+        )
 
 
 class MasterServer:
@@ -200,6 +229,7 @@ class MasterServer:
         return m.Ack()
 
     async def start(self) -> int:
+        raise_open_files_limit(self.config.nnodes.max)
         self._server = await asyncio.start_server(
             self._connection, self.config.host, self.config.port, limit=wire.MAX_FRAME, backlog=4096
         )

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -199,3 +202,22 @@ def test_worker_failure_opens_a_round_and_budget_is_per_job(tmp_path: Path) -> N
         await server.close()
 
     asyncio.run(body())
+
+
+def test_the_master_raises_its_open_files_limit_for_one_connection_per_node() -> None:
+    """Many clusters start jobs with a soft limit of 1,024 files: a master that kept it would
+    refuse agents past about a thousand.  Run in a child process (the limit is per process)."""
+    code = textwrap.dedent(
+        """
+        import resource
+        from dlrover_hpc.master.server import SPARE_FILES, raise_open_files_limit
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+        raise_open_files_limit(4096)
+        now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        assert now >= min(hard, 4096 + SPARE_FILES), (now, hard)
+        print("ok", now)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr

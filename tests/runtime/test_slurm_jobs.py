@@ -76,11 +76,16 @@ def test_four_node_job_survives_killed_worker_and_ranks_follow_topology(
     assert any(e["rank"] == 5 and e["signal"] == "SIGKILL" for e in failed), failed
     assert [e["restart_count"] for e in named(evs, "workers_restarted")] == [1]
     assert named(evs, "job_finished")[-1]["exit_code"] == 0
-    # A healthy network check ran before the start and again before the restart.
-    checks = [e for e in named(evs, "netcheck_result") if e["final"]]
+    # A healthy network check ran before the start and again before the restart.  On this
+    # busy 2-core machine a first round may time one node at 2x the median (a straggler
+    # suspect, seen in CI with the framework matrix alongside); the check's second round
+    # re-times it and must clear it: the final verdicts name no node.
+    results = named(evs, "netcheck_result")
+    checks = [e for e in results if e["final"]]
     assert [c["generation"] for c in checks] == [1, 2], checks
-    assert all(c["faulty"] == [] and c["round"] == 1 for c in checks), json.dumps(checks)
-    assert all(len(c["timings"]) == 4 for c in checks), checks
+    assert all(c["faulty"] == c["stragglers"] == c["unresolved"] == [] for c in checks), checks
+    assert all(c["round"] <= 2 and len(c["timings"]) == 4 for c in checks), json.dumps(checks)
+    assert all(e["faulty"] == [] for e in results), json.dumps(results)
     # Every worker's GROUP_RANK follows the topology, before and after the restart.
     for restart in (0, 1):
         for rank in range(8):
