@@ -306,7 +306,9 @@ class Agent:
         }
         self.diagnoser.workers_starting()
         if self.saver is not None:
-            self.saver.set_replica_peers(a.node_rank, a.replica_peers)
+            peers = {int(k): v for k, v in a.replica_peer_map.items()}
+            peers = peers or dict(enumerate(a.replica_peers))  # an older master's list
+            self.saver.set_replica_peers(a.node_rank, a.nnodes, peers)
         if self.zygote is not None and not self.config.no_python:
             # One `import torch` on the node, not one more per worker: the pre-warmed
             # interpreter started with the agent and imports while the rendezvous runs; when it

@@ -57,6 +57,10 @@ _REQUEUE_SIGNAL = signal.SIGUSR1
 #: Imported by the zygote besides torch: DistributedDataParallel's constructor imports
 #: torch._dynamo, 1.6-2.4 s of CPU in every worker (most of a forked worker's start-up here).
 WARM_MODULES = ("torch._dynamo",)
+#: more modules the pre-warmed interpreter imports, comma-separated (a framework: every
+#: worker forked from it skips that import, 3-4 s of CPU for transformers or Lightning); only
+#: modules that start no thread at import (a fork keeps only the forking thread)
+PRELOAD_ENV = "DLROVER_HPC_PRELOAD"
 REQUEUE_BY_ENV = "DLROVER_HPC_REQUEUE_BY"
 _PR_SET_PDEATHSIG = 1
 
@@ -155,7 +159,8 @@ def serve(
     signal.signal(_REQUEUE_SIGNAL, signal.SIG_IGN)
     for name in preload:
         __import__(name)
-    for name in WARM_MODULES:  # once here, not once per worker; a worker can do without
+    extra = tuple(n.strip() for n in os.environ.get(PRELOAD_ENV, "").split(",") if n.strip())
+    for name in (*WARM_MODULES, *extra):  # once here, not once per worker; a worker can do without
         try:
             __import__(name)
         except Exception as exc:  # any failure: the worker imports it itself

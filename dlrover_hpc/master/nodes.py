@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+from dlrover_hpc.checkpoint.saver.replicas import replica_candidates
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.messages import NodeState
 from dlrover_hpc.rendezvous.ranking import RankInput
@@ -86,6 +87,7 @@ def round_assignments(
     and where every node's checkpoint replicas go."""
     world = sum(n.nproc for n in ranked)
     peers = [f"{n.addr}:{n.replica_port}" if n.replica_port else "" for n in ranked]
+    nnodes = len(ranked)
     out: list[m.Assignment] = []
     offset = 0
     for rank, rec in enumerate(ranked):
@@ -94,7 +96,7 @@ def round_assignments(
                 status=m.NodeStatus.ACTIVE,
                 round=round,
                 node_rank=rank,
-                nnodes=len(ranked),
+                nnodes=nnodes,
                 world_size=world,
                 rank_offset=offset,
                 store_host=store_host,
@@ -102,7 +104,9 @@ def round_assignments(
                 restart_count=restart_count,
                 max_restarts=max_restarts,
                 run_id=run_id,
-                replica_peers=peers,
+                replica_peer_map={
+                    str(i): peers[i] for i in replica_candidates(rank, nnodes) if peers[i]
+                },
             )
         )
         offset += rec.nproc

@@ -108,8 +108,12 @@ class Assignment(Message):
     group_size: int = 0
     check_prefix: str = ""
     check_timeout_s: float = 0.0
-    #: every node's checkpoint replica server "host:port" by node rank ("" where it has none)
+    #: every node's checkpoint replica server "host:port" by node rank ("" where it has none);
+    #: an older master's form, empty now: see replica_peer_map
     replica_peers: list[str] = dataclasses.field(default_factory=list)
+    #: the replica servers ("host:port") of the node ranks (as strings) that this node's
+    #: copies can go to (`replica_candidates`): a few, not every node's
+    replica_peer_map: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

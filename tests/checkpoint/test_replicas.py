@@ -610,3 +610,36 @@ def test_replica_peers_spread_over_the_ring(
     node_rank: int, nnodes: int, count: int, peers: list[int]
 ) -> None:
     assert replica_peers(node_rank, nnodes, count) == peers
+
+
+def test_a_round_tells_each_node_only_the_replica_servers_its_copies_can_go_to() -> None:
+    """Every node's assignment used to carry every node's replica server: nodes^2 addresses
+    per round (16,384 agents took 282 s to rendezvous).  Now a few per node, and every peer a
+    count up to MAX_REPLICAS picks is among them."""
+    from dlrover_hpc.checkpoint.saver.replicas import MAX_REPLICAS, replica_candidates
+    from dlrover_hpc.master.nodes import NodeRecord, round_assignments
+
+    n = 16384
+    ranked = [
+        NodeRecord(
+            agent_id=f"a{i}",
+            node=f"n{i}",
+            addr=f"n{i}",
+            nproc=8,
+            slurm_node_id=i,
+            topology_addr=None,
+            replica_port=7000,
+        )
+        for i in range(n)
+    ]
+    out = round_assignments(
+        ranked, round=1, store_host="n0", store_port=1, restart_count=0, max_restarts=3,
+        run_id="j",
+    )  # fmt: skip
+    limit = MAX_REPLICAS * (MAX_REPLICAS + 1) // 2
+    assert max(len(a.replica_peer_map) for a in out) <= limit
+    for me in (0, 1, 4095, n - 1):
+        peers = {int(k): v for k, v in out[me].replica_peer_map.items()}
+        assert sorted(peers) == replica_candidates(me, n)
+        for count in range(1, MAX_REPLICAS + 1):
+            assert all(peers[r] == f"n{r}:7000" for r in replica_peers(me, n, count))

@@ -17,18 +17,21 @@ from runtime_helpers import REPO, events, named, sbatch, wait_job
 
 from dlrover_hpc.testing import LocalSlurm
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 EXAMPLES = REPO / "examples" / "frameworks"
 PL21 = REPO / ".venv" / "pl21"  # Lightning 2.1, installed beside the current one (Makefile)
-OLD = {"PYTHONPATH": str(PL21)}
+#: the pre-warmed interpreter imports the framework once per node, not once per worker start
+HF = {"DLROVER_HPC_PRELOAD": "transformers"}
+PL = {"DLROVER_HPC_PRELOAD": "lightning.pytorch"}
+OLD = {"PYTHONPATH": str(PL21), "DLROVER_HPC_PRELOAD": "pytorch_lightning"}
 STEPS, SAVE, KILL = 30, 10, 15
 
 #: name -> (script, extra arguments, environment, flash)
 MATRIX: dict[str, tuple[str, list[str], dict[str, str], bool]] = {
-    "hf-own": ("hf_trainer.py", [], {}, False),
-    "hf-flash": ("hf_trainer.py", ["--flash"], {}, True),
-    "lightning-own": ("lightning_train.py", [], {}, False),
-    "lightning-flash": ("lightning_train.py", ["--flash"], {}, True),
+    "hf-own": ("hf_trainer.py", [], HF, False),
+    "hf-flash": ("hf_trainer.py", ["--flash"], HF, True),
+    "lightning-own": ("lightning_train.py", [], PL, False),
+    "lightning-flash": ("lightning_train.py", ["--flash"], PL, True),
     "lightning21-own": ("lightning_train.py", ["--pytorch-lightning"], OLD, False),
     "lightning21-flash": ("lightning_train.py", ["--pytorch-lightning", "--flash"], OLD, True),
     "accelerate-own": ("accelerate_train.py", [], {}, False),

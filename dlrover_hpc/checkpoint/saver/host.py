@@ -16,6 +16,7 @@ import os
 import socket
 import stat
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from dlrover_hpc.checkpoint.api import CommitCoordinator, EventSink, FaultHook
@@ -73,7 +74,8 @@ class SaverHost:
         self._lock = threading.Lock()
         self._closed = False
         self.replicas = replicas
-        self._round_peers: tuple[int, tuple[str, ...]] = (-1, ())  # node rank, "host:port"s
+        #: node rank, node count, "host:port" of the node ranks copies can go to
+        self._round_peers: tuple[int, int, dict[int, str]] = (-1, 0, {})
         self._peers: list[tuple[str, int]] = []  # the sender's, for the count last asked
         self._count = -1
 
@@ -112,19 +114,20 @@ class SaverHost:
         logger.info("checkpoint persist_latest step=%s segments=%d", step, len(paths))
         return step
 
-    def set_replica_peers(self, node_rank: int, peers: list[str]) -> None:
-        """A new round: this node's rank and every node's replica server by node rank."""
+    def set_replica_peers(self, node_rank: int, nnodes: int, peers: Mapping[int, str]) -> None:
+        """A new round: this node's rank, the round's node count, and the replica servers of
+        the node ranks its copies can go to."""
         with self._lock:
-            self._round_peers, self._count = (node_rank, tuple(peers)), -1
+            self._round_peers, self._count = (node_rank, nnodes, dict(peers)), -1
 
     def _replicate(self, path: str, step: int, count: int) -> None:
         sender = self.replicas
         if sender is None or count <= 0:
             return
         with self._lock:
-            node_rank, peers = self._round_peers
+            node_rank, nnodes, peers = self._round_peers
             if count != self._count:
-                chosen = [peers[i] for i in replica_peers(node_rank, len(peers), count)]
+                chosen = [peers.get(i, "") for i in replica_peers(node_rank, nnodes, count)]
                 self._peers = [_address(p) for p in chosen if p]
                 self._count = count
                 sender.set_peers(self._peers)

@@ -67,6 +67,20 @@ MAX_CONNECTIONS = 256
 RECV_IDLE_S = 60.0
 
 
+#: the most copies of a node's parts (``replica_count``); a round tells each node the replica
+#: servers of only the peers these counts can pick, not all nodes' (that grew as nodes^2)
+MAX_REPLICAS = 8
+
+
+def replica_candidates(node_rank: int, nnodes: int, upto: int = MAX_REPLICAS) -> list[int]:
+    """Every node rank :func:`replica_peers` picks for ``node_rank`` with a count up to
+    ``upto`` (sorted; at most upto*(upto+1)/2 of them)."""
+    ranks: set[int] = set()
+    for count in range(1, upto + 1):
+        ranks.update(replica_peers(node_rank, nnodes, count))
+    return sorted(ranks)
+
+
 def replica_peers(node_rank: int, nnodes: int, count: int) -> list[int]:
     """The node ranks that keep this node's copies (pure).  Ranks follow the switch
     topology (neighbours share a switch), so the peers are spread around the ring rather

@@ -23,6 +23,7 @@ from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
 from dlrover_hpc.checkpoint.env import WorkerEnv, segment_name
 from dlrover_hpc.checkpoint.event_sinks import JsonlEventSink
 from dlrover_hpc.checkpoint.saver.commit_records import CheckpointDir
+from dlrover_hpc.checkpoint.saver.replicas import MAX_REPLICAS
 from dlrover_hpc.checkpoint.saver.segments import Header, Segment, list_segments
 from dlrover_hpc.checkpoint.saver.storage import Storage
 from dlrover_hpc.checkpoint.trainer.cuda import SnapshotPolicy
@@ -72,6 +73,10 @@ class Engine:
         ddp = kind == PartKind.DDP
         if replicas < 0:
             raise CheckpointError(f"replica_count={replicas} must be 0 or more")
+        if replicas > MAX_REPLICAS:
+            raise CheckpointError(
+                f"replica_count={replicas}: at most {MAX_REPLICAS} copies of a node's parts"
+            )
         #: peer nodes that keep a copy of this rank's part in memory (every node has DDP's)
         self.replicas = 0 if ddp else replicas
         #: DDP keeps one copy per node (local rank 0) and persists global rank 0's only
