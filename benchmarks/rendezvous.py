@@ -68,7 +68,10 @@ async def serve(reader, writer):
     frame = await wire.read_frame(reader)
     wire.write_frame(writer, wire.Frame(type="ok", id=frame.id))
     await writer.drain()
-    await reader.read()  # hold the connection until the client closes it
+    try:
+        await reader.read()  # hold the connection until the client closes it
+    except (asyncio.CancelledError, ConnectionError):
+        pass  # this server is shutting down
     writer.close()
 
 async def main():
