@@ -209,6 +209,17 @@ class TorchFileLayout:
         return Tail(offset=self.data_end, data=bytes(out), crc_patches=patches, records=records)
 
 
+def placed_at(
+    layout: TorchFileLayout, tail: Tail, start: int
+) -> tuple[list[tuple[int, bytes]], list[list[Any]]]:
+    """The archive placed at `start` of a larger image: the bytes written as they are (the
+    records' headers, the tail) and the CRC ranges, all at image offsets."""
+    chunks = [(start + at, header) for at, header in layout.headers]
+    chunks.append((start + tail.offset, tail.data))
+    crc = [[start + a, n, [start + f for f in fs]] for a, n, fs in tail.crc_patches]
+    return chunks, crc
+
+
 def manifest_bytes(**fields: Any) -> bytes:
     return json.dumps({"format": 1, **fields}, sort_keys=True).encode()
 

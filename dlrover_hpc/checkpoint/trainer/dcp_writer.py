@@ -32,6 +32,7 @@ from dlrover_hpc.checkpoint.formats.torchfile import (
     buffer_view,
     dtype_name,
     pickle_state,
+    placed_at,
 )
 from dlrover_hpc.checkpoint.saver.segments import HEADER_SIZE, Segment
 from dlrover_hpc.checkpoint.trainer.cuda import cuda_device
@@ -135,9 +136,8 @@ class ShmStorageWriter(StorageWriter):
                 layout = TorchFileLayout(tensors)
                 tail = layout.tail(pkl, {})
                 length = tail.offset + len(tail.data)
-                chunks = [(start + at, header) for at, header in layout.headers]
-                chunks.append((start + tail.offset, tail.data))
-                crc += [[start + a, n, [start + f for f in fs]] for a, n, fs in tail.crc_patches]
+                chunks, archive_crc = placed_at(layout, tail, start)
+                crc += archive_crc
                 data_at = start + layout.slots[0].offset
                 placed.append(_Placed(item, start, length, chunks, True))
             else:  # kept for a memory restore only

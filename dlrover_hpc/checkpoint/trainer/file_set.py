@@ -37,6 +37,7 @@ from dlrover_hpc.checkpoint.formats.torchfile import (
     TorchFileLayout,
     buffer_view,
     pickle_state,
+    placed_at,
     tensor_signature,
 )
 from dlrover_hpc.checkpoint.saver.commit_records import CommitRecord
@@ -232,10 +233,10 @@ class FileSetCheckpointer(CheckpointerBase):
         if layout is None or layout.signature != tensor_signature(tensors):
             layout = self._layouts[name] = TorchFileLayout(tensors)
         tail = layout.tail(pkl, {})
-        image.chunks += [(start + at, header) for at, header in layout.headers]
-        image.chunks.append((start + tail.offset, tail.data))
+        chunks, crc = placed_at(layout, tail, start)
+        image.chunks += chunks
+        image.crc += crc
         image.copies += [(start + s.offset, t) for s, t in zip(layout.slots, tensors, strict=True)]
-        image.crc += [[start + a, n, [start + f for f in fs]] for a, n, fs in tail.crc_patches]
         return tail.offset + len(tail.data)
 
     # ------------------------------------------------------------------------ restoring

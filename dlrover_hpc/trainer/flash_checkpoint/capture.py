@@ -94,6 +94,15 @@ def captured_files(scratch: str) -> Iterator[CapturedFiles]:
             setattr(module, attr, real)
 
 
+def capture_directory(write: Callable[[str], Any], under: str) -> dict[str, Any]:
+    """Runs `write(scratch)` (a framework's save into a fresh scratch directory) with its
+    files captured, and returns those under `scratch/under`."""
+    with tempfile.TemporaryDirectory(prefix="dlrover-hpc-ckpt-") as scratch:
+        with captured_files(scratch) as captured:
+            write(scratch)
+        return captured.files(under)
+
+
 def _safetensors_saver(captured: CapturedFiles, real: Any) -> Any:
     def save_file(tensors: Any, filename: Any, metadata: Any = None, *args: Any) -> None:
         name = captured.relative(filename)
@@ -127,12 +136,13 @@ class DirectoryCheckpointer:
     ) -> bool:
         """Every rank calls it, each with its own files; `storage_type` MEMORY or DISK (or
         their values, "memory" and "disk")."""
-        with tempfile.TemporaryDirectory(prefix="dlrover-hpc-ckpt-") as scratch:
+
+        def into(scratch: str) -> None:
             target = os.path.join(scratch, "step")
             os.makedirs(target)
-            with captured_files(scratch) as captured:
-                write(target)
-            files = captured.files("step")
+            write(target)
+
+        files = capture_directory(into, "step")
         return self.checkpointer.save_files(step, files, path, StorageType(storage_type))
 
     def last_checkpoint(self) -> str | None:

@@ -24,13 +24,12 @@ keep_last, `KeepStepIntervalStrategy` -> keep_interval); `save_timeout` (checked
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
 from dlrover_hpc.checkpoint.api import StorageType
 from dlrover_hpc.checkpoint.trainer.file_set import FileSetCheckpointer
 from dlrover_hpc.trainer.flash_checkpoint import _compat
-from dlrover_hpc.trainer.flash_checkpoint.capture import captured_files
+from dlrover_hpc.trainer.flash_checkpoint.capture import capture_directory
 from dlrover_hpc.trainer.flash_checkpoint.checkpointer import SAVE_TIMEOUT, Checkpointer
 
 __all__ = ["DeepSpeedCheckpointer", "StorageType"]
@@ -79,12 +78,13 @@ class DeepSpeedCheckpointer(Checkpointer):
         storage_type = _compat.storage_type(storage_type)
         step = int(self.engine.global_steps)
         tag = str(tag) if tag is not None else f"global_step{step}"
-        with tempfile.TemporaryDirectory(prefix="dlrover-hpc-ds-") as scratch:
-            with captured_files(scratch) as captured:
-                self.engine.save_checkpoint(
-                    scratch, tag=tag, client_state=dict(client_state or {}), save_latest=False
-                )
-            files = captured.files(tag)
+        state = dict(client_state or {})
+        files = capture_directory(
+            lambda scratch: self.engine.save_checkpoint(
+                scratch, tag=tag, client_state=state, save_latest=False
+            ),
+            tag,
+        )
         return self._ckpt.save_files(step, files, os.path.join(save_dir, tag), storage_type)
 
     def load_checkpoint(

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from typing import Any
 
 from transformers import Trainer, TrainerCallback
@@ -36,7 +35,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from dlrover_hpc.checkpoint.api import StorageType
 from dlrover_hpc.checkpoint.trainer.file_set import FileSetCheckpointer
-from dlrover_hpc.trainer.flash_checkpoint.capture import captured_files
+from dlrover_hpc.trainer.flash_checkpoint.capture import capture_directory
 
 __all__ = ["FlashCkptTrainer"]
 
@@ -91,19 +90,20 @@ class FlashCkptTrainer(Trainer):
         step = self.state.global_step
         run_dir = self._get_output_dir(trial=trial)
         folder = f"{PREFIX_CHECKPOINT_DIR}-{step}"
-        with tempfile.TemporaryDirectory(prefix="dlrover-hpc-hf-") as scratch:
-            with captured_files(scratch) as captured:
-                self._get_output_dir = lambda trial=None: scratch  # type: ignore[method-assign,misc]
-                try:
-                    super()._save_checkpoint(self.model_wrapped, trial)
-                finally:
-                    del self._get_output_dir
+
+        def write(scratch: str) -> None:
+            self._get_output_dir = lambda trial=None: scratch  # type: ignore[method-assign,misc]
+            try:
+                super(FlashCkptTrainer, self)._save_checkpoint(self.model_wrapped, trial)
+            finally:
+                del self._get_output_dir
             self._point_best_at(scratch, run_dir)
             if self.args.should_save:  # again, with the real directory of the best model
                 state_json = os.path.join(scratch, folder, TRAINER_STATE_NAME)
                 os.makedirs(os.path.dirname(state_json), exist_ok=True)
                 self.state.save_to_json(state_json)
-            files = captured.files(folder)
+
+        files = capture_directory(write, folder)
         return self.flash_checkpointer.save_files(
             step, files, os.path.join(run_dir, folder), storage_type
         )
