@@ -244,7 +244,7 @@ class Report:
     wall_s: float
     ideal_step_s: float
     steps: int
-    stalls: list[dict[str, Any]]  # start, seconds, cause (the fault before it)
+    stalls: list[dict[str, Any]]  # start, seconds, cause (the fault before), events if long
     lost_steps: int  # steps redone beyond the newest checkpoint held when the fault hit
     redone_steps: int  # every step trained twice (since the restored checkpoint)
     restores: dict[str, int]  # source -> ranks restored from it
@@ -252,6 +252,22 @@ class Report:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+#: a stall this long lists the job's events during it (a failed check's report says why)
+LONG_STALL_S = 20.0
+#: the events of a stall's list: not the ones every step or save writes
+_ROUTINE = frozenset({"checkpoint_saved", "checkpoint_persisted", "training_progress"})
+
+
+def _during(events: Sequence[dict[str, Any]], begin: float, end: float, start: float) -> list[str]:
+    """``"+seconds event node"`` of the job's events from ``begin`` to ``end`` (at most 20)."""
+    said = [
+        f"+{e['time'] - start:.1f} {e['event']} {e.get('node') or ''}".rstrip()
+        for e in events
+        if begin <= e["time"] <= end and e["event"] not in _ROUTINE
+    ]
+    return said if len(said) <= 20 else [*said[:19], f"... {len(said) - 19} more"]
 
 
 def analyze(
@@ -279,9 +295,11 @@ def analyze(
         if restarted or b[0] - a[0] > stall_factor * ideal:
             before = [f for f in faults if f["time"] <= b[0]]
             cause = f"{before[-1]['kind']} {before[-1]['node']}" if before else "unknown"
-            stalls.append(
-                {"start": round(a[0] - start, 1), "seconds": round(b[0] - a[0], 1), "cause": cause}
-            )
+            seconds = round(b[0] - a[0], 1)
+            stall = {"start": round(a[0] - start, 1), "seconds": seconds, "cause": cause}
+            if b[0] - a[0] >= LONG_STALL_S:  # what the job did meanwhile: why it took so long
+                stall["events"] = _during(events, a[0], b[0], start)
+            stalls.append(stall)
         if restarted:  # the workers resumed from step b[1] - 1
             restarts += 1
             redone += a[1] - (b[1] - 1)

@@ -24,6 +24,8 @@ PL21 = REPO / ".venv" / "pl21"  # Lightning 2.1, installed beside the current on
 HF = {"DLROVER_HPC_PRELOAD": "transformers"}
 PL = {"DLROVER_HPC_PRELOAD": "lightning.pytorch"}
 OLD = {"PYTHONPATH": str(PL21), "DLROVER_HPC_PRELOAD": "pytorch_lightning"}
+ACC = {"DLROVER_HPC_PRELOAD": "accelerate"}
+DS = {"DLROVER_HPC_PRELOAD": "deepspeed"}
 STEPS, SAVE, KILL = 30, 10, 15
 
 #: name -> (script, extra arguments, environment, flash)
@@ -34,10 +36,10 @@ MATRIX: dict[str, tuple[str, list[str], dict[str, str], bool]] = {
     "lightning-flash": ("lightning_train.py", ["--flash"], PL, True),
     "lightning21-own": ("lightning_train.py", ["--pytorch-lightning"], OLD, False),
     "lightning21-flash": ("lightning_train.py", ["--pytorch-lightning", "--flash"], OLD, True),
-    "accelerate-own": ("accelerate_train.py", [], {}, False),
-    "accelerate-flash": ("accelerate_train.py", ["--flash"], {}, True),
-    "deepspeed-own": ("deepspeed_train.py", [], {}, False),
-    "deepspeed-flash": ("deepspeed_train.py", ["--flash"], {}, True),
+    "accelerate-own": ("accelerate_train.py", [], ACC, False),
+    "accelerate-flash": ("accelerate_train.py", ["--flash"], ACC, True),
+    "deepspeed-own": ("deepspeed_train.py", [], DS, False),
+    "deepspeed-flash": ("deepspeed_train.py", ["--flash"], DS, True),
 }  # fmt: skip
 
 

@@ -103,11 +103,15 @@ def test_survivors_keep_their_processes_through_a_worker_kill_and_a_node_loss(
     assert "in-process restart" in out, out[-4000:]
 
     # Every step trained; a restart goes back to the newest step in memory (saved every step).
+    # Rank 0 logs a step after its collectives: when a peer is lost, a rank whose all-reduce
+    # completed may save a step that rank 0's did not; the round restores that step (its
+    # state is the whole world's), so rank 0 never logs it. Such a step is a restored one.
     steps = [s for _, s in timing]
-    assert set(range(1, STEPS + 1)) <= set(steps), sorted(set(range(1, STEPS + 1)) - set(steps))
+    later = [e for e in named(evs, "checkpoint_restored") if e["time"] > failed["time"]]
+    unlogged = set(range(1, STEPS + 1)) - set(steps)
+    assert unlogged <= {e["step"] for e in later}, (sorted(unlogged), later)
     redone = len(steps) - len(set(steps))
     assert redone <= 2 * 3, (redone, steps)  # at most a step or two per restart, two restarts
-    later = [e for e in named(evs, "checkpoint_restored") if e["time"] > failed["time"]]
     ranks = sum(2 * len(rounds[r]) for r in order[1:])
     assert len(later) == ranks, later  # every rank of every later round restored once
     assert all(e["source"] in ("memory", "peer") and e["step"] > 0 for e in later), later

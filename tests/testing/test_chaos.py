@@ -59,3 +59,25 @@ def test_analyze_counts_steps_lost_beyond_the_newest_checkpoint() -> None:
     timing = [(100.0 + s, s) for s in range(1, 8)] + [(112.0, 1), (113.0, 2)]
     r = analyze(_events(), timing)
     assert r.redone_steps == 7 and r.lost_steps == 5  # step 5 was saved, restarted from 0
+
+
+def test_a_long_stall_lists_what_the_job_did_meanwhile() -> None:
+    # a 30 s gap after step 6: a node lost, a round, workers started; routine events left out
+    timing = [(100.0 + s, s) for s in range(1, 7)]
+    timing += [(136.0 + i, s) for i, s in enumerate(range(6, 10))]
+    events = [
+        {"time": 100.0, "event": "job_started"},
+        {"time": 104.9, "event": "checkpoint_saved", "step": 5},
+        {"time": 110.0, "event": "node_lost", "node": "node2"},
+        {"time": 112.0, "event": "checkpoint_persisted", "node": "node1"},
+        {"time": 130.0, "event": "rendezvous_complete", "round": 2},
+        {"time": 131.0, "event": "workers_started", "node": "node1"},
+        {"time": 140.0, "event": "job_finished"},
+    ]
+    [_, long] = analyze(events, timing).stalls
+    assert long["seconds"] == pytest.approx(30.0)
+    assert long["events"] == [
+        "+10.0 node_lost node2",
+        "+30.0 rendezvous_complete",
+        "+31.0 workers_started node1",
+    ]
