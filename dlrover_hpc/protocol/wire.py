@@ -101,7 +101,12 @@ async def client_handshake(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, token: str, timeout_s: float
 ) -> None:
     """Answer the server's challenge; raises AuthError if the server refuses the token."""
-    challenge = await asyncio.wait_for(read_frame(reader), timeout_s)
+    try:
+        challenge = await asyncio.wait_for(read_frame(reader), timeout_s)
+    except EOFError:  # an OSError, as a refused connection is: the callers report both alike
+        raise ConnectionResetError(
+            "the master closed the connection before its challenge (ending, or restarting)"
+        ) from None
     if challenge.type != "challenge" or not isinstance(challenge.body.get("nonce"), str):
         raise ProtocolError(f"expected a challenge from the master, got {challenge.type!r}")
     write_frame(

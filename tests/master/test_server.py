@@ -94,6 +94,23 @@ def test_client_with_wrong_token_is_refused_and_logged(
     assert "reason=bad job token" in caplog.text
 
 
+def test_a_master_that_closes_before_its_challenge_is_a_connection_error() -> None:
+    # A master ending (or restarting) accepts and closes: `status --watch` and the agents
+    # handle an OSError, as for a refused connection; an EOFError escaped them as a traceback.
+    async def body() -> None:
+        async def close_at_once(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.close()
+
+        server = await asyncio.start_server(close_at_once, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        with pytest.raises(ConnectionResetError, match="closed the connection before"):
+            await MasterClient.connect("127.0.0.1", port, token="t")
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(body())
+
+
 def test_join_rendezvous_status_and_error_reply(tmp_path: Path) -> None:
     async def body() -> None:
         server = _server(tmp_path)

@@ -331,13 +331,29 @@ def run_ranks(root: str, world: int, phase: str) -> None:
     finally:
         for p in procs:
             if p.poll() is None:  # show where it hangs (py-spy is a dependency), then kill it
-                spy = [str(Path(sys.executable).with_name("py-spy")), "dump", "--pid", str(p.pid)]
-                dump = subprocess.run(spy, capture_output=True, text=True, timeout=30)
-                print(f"{phase}: rank {p.pid} hangs:", dump.stdout, dump.stderr, file=sys.stderr)
+                # p is the zygote's client; the rank itself is a child of the zygote
+                script = f"{phase}-rank{procs.index(p)}.py"
+                for pid in [p.pid, *_running(script, but=p.pid)]:
+                    spy = [str(Path(sys.executable).with_name("py-spy")), "dump", "--pid", str(pid)]
+                    dump = subprocess.run(spy, capture_output=True, text=True, timeout=30)
+                    print(f"{phase}: {pid} hangs:", dump.stdout, dump.stderr, file=sys.stderr)
                 p.kill()
                 p.wait()
     if [p.returncode for p in procs] != [0] * world:
         raise SystemExit(f"{phase}: rank exit codes {[p.returncode for p in procs]}")
+
+
+def _running(script: str, *, but: int) -> list[int]:
+    """The processes whose command line names ``script``, but ``but``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != but:
+            try:
+                if script in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue  # ended meanwhile
+    return found
 
 
 #: The socket of the pre-warmed interpreter, for the driver process that starts the ranks.
