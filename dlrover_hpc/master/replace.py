@@ -51,7 +51,13 @@ class Replacer:
             log.info("no replacement job: none configured (--replacement-sbatch)")
             return None
         # The nodes this job holds now, lost agents' nodes too (Slurm still counts them ours).
-        avoid = sorted({*exclude, *slurm.job_nodes(self.job_id, run=self._run)})
+        state, held = slurm.job_state_and_nodes(self.job_id, run=self._run)
+        if state != "RUNNING":
+            # scancel ends the agents first: every node is lost at once, and a replacement
+            # submitted then would outlive the job (its agents would even promote a master)
+            log.warning("no replacement job: this job is %s", state)
+            return f"the job is {state or 'gone'}"
+        avoid = sorted({*exclude, *held})
         argv = [
             "sbatch",
             "--parsable",

@@ -101,6 +101,18 @@ def job_nodes(job_id: str, *, run: Runner = run_command, timeout_s: float = 15.0
     return expand(done.stdout.strip(), source=f"squeue -j {job_id}")
 
 
+def job_state_and_nodes(
+    job_id: str, *, run: Runner = run_command, timeout_s: float = 15.0
+) -> tuple[str, list[str]]:
+    """The job's state (``RUNNING``, ``CANCELLED``, ...; squeue shows a job given by id in any
+    state) and the nodes it holds now, from one squeue."""
+    done = run(["squeue", "-h", "-j", job_id, "-o", "%T %N"], timeout_s=timeout_s)
+    if done.returncode != 0:
+        raise SlurmError(f"squeue -j {job_id} failed: {done.stderr.strip()}")
+    state, _, nodes = done.stdout.strip().partition(" ")
+    return state, expand(nodes.strip(), source=f"squeue -j {job_id}")
+
+
 def show_node(node: str, *, run: Runner = run_command, timeout_s: float = 15.0) -> dict[str, str]:
     done = run(["scontrol", "-o", "show", "node", node], timeout_s=timeout_s)
     if done.returncode != 0:

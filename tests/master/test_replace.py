@@ -19,14 +19,18 @@ REFUSED = (Path(__file__).parents[1] / "data" / "slurm" / "sbatch_refused_exclud
 class Slurm:
     """Answers squeue and sbatch with recorded output, and keeps the argv it was given."""
 
-    def __init__(self, *, sbatch_rc: int, sbatch_out: str = "", sbatch_err: str = "") -> None:
+    def __init__(
+        self, *, sbatch_rc: int, sbatch_out: str = "", sbatch_err: str = "", state: str = "RUNNING"
+    ) -> None:
         self.calls: list[list[str]] = []
         self.sbatch = (sbatch_rc, sbatch_out, sbatch_err)
+        self.state = state
 
     def __call__(self, argv: Sequence[str], *, timeout_s: float) -> Completed:
         self.calls.append(list(argv))
         if argv[0] == "squeue":
-            return Completed(argv=tuple(argv), returncode=0, stdout="node[1-2,5]\n", stderr="")
+            out = f"{self.state} node[1-2,5]\n" if self.state else ""  # "": a job ended
+            return Completed(argv=tuple(argv), returncode=0, stdout=out, stderr="")
         rc, out, err = self.sbatch
         return Completed(argv=tuple(argv), returncode=rc, stdout=out, stderr=err)
 
@@ -46,7 +50,7 @@ def test_request_avoids_faulty_nodes_and_the_jobs_allocation(tmp_path: Path) -> 
     slurm = Slurm(sbatch_rc=0, sbatch_out="77\n")
     assert _replacer(tmp_path, slurm).request(2, ["node3", "node1"]) is None
     squeue, sbatch = slurm.calls
-    assert squeue == ["squeue", "-h", "-j", "12", "-o", "%N"]
+    assert squeue == ["squeue", "-h", "-j", "12", "-o", "%T %N"]
     assert "-N2" in sbatch and "--exclude=node[1-3,5]" in sbatch
     (event,) = map(json.loads, (tmp_path / "events.jsonl").read_text().splitlines())
     assert event["event"] == "replacement_requested" and event["job"] == "77"
@@ -86,3 +90,16 @@ def test_squeue_failing_is_a_refusal_too(tmp_path: Path) -> None:
 )
 def test_sbatch_refusal(stderr: str, reason: str) -> None:
     assert sbatch_refusal(stderr) == reason
+
+
+def test_a_job_being_cancelled_asks_for_no_replacement(tmp_path: Path) -> None:
+    # scancel ends the agents first: the master saw every node lost and submitted a replacement
+    # job that outlived the cancelled job (a leak of the fail-slow test)
+    slurm = Slurm(sbatch_rc=0, sbatch_out="77\n", state="CANCELLED")
+    assert _replacer(tmp_path, slurm).request(3, []) == "the job is CANCELLED"
+    assert [c[0] for c in slurm.calls] == ["squeue"]  # no sbatch
+    assert not (tmp_path / "events.jsonl").exists()
+    # Once cancelled, `squeue -j` prints nothing (captured from the local Slurm)
+    gone = Slurm(sbatch_rc=0, sbatch_out="77\n", state="")
+    assert _replacer(tmp_path, gone).request(3, []) == "the job is gone"
+    assert [c[0] for c in gone.calls] == ["squeue"]
