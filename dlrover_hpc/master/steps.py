@@ -17,6 +17,8 @@ from dlrover_hpc.protocol import messages as m
 
 #: seconds of training between two training_progress events of one round
 EVERY_S = 5.0
+#: the reports of a round give its step rate once they span this many seconds
+RATE_SPAN_S = 1.0
 
 
 class StepLog:
@@ -28,6 +30,10 @@ class StepLog:
         self.node_steps: dict[str, int] = {}  # node -> its slowest rank's step (status)
         self._written: tuple[int, float] | None = None  # the round's newest event: (step, at)
         self.samples: list[tuple[float, int]] = []  # (at, step) written, newest last (metrics)
+        # the round's slowest rank, first and newest seen with every rank reported: the rate
+        # before two events are written (a stop early in a round needs it)
+        self._first: tuple[int, float] | None = None
+        self._latest: tuple[int, float] | None = None
 
     def report(
         self,
@@ -43,7 +49,7 @@ class StepLog:
             if round < self.round:
                 return  # a late report of a round that is over
             self.round, self._ranks, self._written = round, {}, None
-            self.node_steps = {}
+            self.node_steps, self._first, self._latest = {}, None, None
         known = [p for p in progress if p.at > 0]
         for p in known:
             self._ranks[p.rank] = (p.step, p.at)
@@ -52,6 +58,8 @@ class StepLog:
         if len(self._ranks) < world_size:
             return  # the round's step is its slowest rank's: wait until every rank reported
         step, at = min(self._ranks.values())
+        self._first = self._first or (step, at)
+        self._latest = (step, at)
         written = self._written
         if written is not None and (step <= written[0] or at <= written[1]):
             return
@@ -65,11 +73,15 @@ class StepLog:
         self._emit(EventName.TRAINING_PROGRESS, round=self.round, step=step, at=round(at, 3))
 
     def step_rate(self) -> float:
-        """Steps per second between the two newest events (0 when unknown)."""
-        if len(self.samples) < 2:
+        """Steps per second between the two newest events; before there are two, over the
+        round's reports so far, once they span ``RATE_SPAN_S`` (0 when unknown)."""
+        if len(self.samples) >= 2:
+            (t0, s0), (t1, s1) = self.samples
+            return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 >= s0 else 0.0
+        if self._first is None or self._latest is None:
             return 0.0
-        (t0, s0), (t1, s1) = self.samples
-        return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 >= s0 else 0.0
+        (s0, t0), (s1, t1) = self._first, self._latest
+        return (s1 - s0) / (t1 - t0) if t1 - t0 >= RATE_SPAN_S and s1 >= s0 else 0.0
 
     @property
     def newest(self) -> int:

@@ -99,6 +99,11 @@ class GracefulStop:
         waited = self._wall() - self._requested_at
         if seen < 0 and self.steps.newest <= 0 and waited < FRESH_ROUND_WAIT_S:
             return  # check() comes back
+        if self.steps.step_rate() <= 0 and waited < FRESH_ROUND_WAIT_S:
+            # Unknown, the rate would leave the stop step 2 past the newest step reported (a
+            # heartbeat old): ranks that read the notice after passing it stop later than the
+            # others, whose exit then breaks their collectives. check() comes back.
+            return
         notice_s = 2 * self.job.config.heartbeat_interval_s + 1.0
         step = stop_step(max(self.steps.newest, seen), self.steps.step_rate(), notice_s)
         self.plan = dataclasses.replace(self.plan, step=step)

@@ -51,3 +51,14 @@ def test_a_new_round_starts_over_and_late_reports_are_dropped() -> None:
     # A rank that has not written its record yet (at 0) does not count as reported.
     log.report(node="n1", round=3, world_size=2, progress=[_p(0, 31, 104.0), _p(1, 0, 0.0)])
     assert len(sink.events) == 2
+
+
+def test_the_rate_is_known_early_in_a_round_from_its_reports() -> None:
+    # A stop early in a round (a signal seconds after the workers started) needs the rate
+    # before two events are written: the reports give it once they span a second.
+    log = StepLog(Sink(), every_s=5.0)
+    log.report(node="n1", round=1, world_size=1, progress=[_p(0, 0, 100.0)])
+    log.report(node="n1", round=1, world_size=1, progress=[_p(0, 4, 100.5)])
+    assert log.step_rate() == 0.0  # half a second: not yet
+    log.report(node="n1", round=1, world_size=1, progress=[_p(0, 20, 102.0)])
+    assert log.step_rate() == 10.0

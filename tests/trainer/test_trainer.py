@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -266,8 +267,12 @@ def test_a_window_goes_on_across_reset(monkeypatch: pytest.MonkeyPatch) -> None:
 def rank_main(rank: int, world: int, phase: str, root: str) -> None:
     """One DDP rank, started by `run_ranks`."""
     faulthandler.dump_traceback_later(150, exit=True)  # a hung rank shows where, and exits
+    # A TCP store, rank 0's (the port is in the environment): torch's FileStore counts its
+    # users to delete the file, and a rank whose store outlived that count hung at exit,
+    # retrying to open the deleted file (twice in clean-clone runs)
+    port = os.environ["DLROVER_HPC_TEST_STORE_PORT"]
     dist.init_process_group(
-        "gloo", init_method=f"file://{root}/store-{phase}", rank=rank, world_size=world
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     net = model()
     x, y = data(96)
@@ -313,6 +318,9 @@ def run_ranks(root: str, world: int, phase: str) -> None:
     for them."""
     env = os.environ | {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     env["GLOO_SOCKET_IFNAME"] = "lo"
+    with socket.socket() as probe:  # a free port for rank 0's store
+        probe.bind(("127.0.0.1", 0))
+        env["DLROVER_HPC_TEST_STORE_PORT"] = str(probe.getsockname()[1])
     procs = [
         subprocess.Popen(
             _warm(
