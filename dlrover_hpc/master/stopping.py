@@ -99,13 +99,14 @@ class GracefulStop:
         waited = self._wall() - self._requested_at
         if seen < 0 and self.steps.newest <= 0 and waited < FRESH_ROUND_WAIT_S:
             return  # check() comes back
-        if self.steps.step_rate() <= 0 and waited < FRESH_ROUND_WAIT_S:
+        rate = self.steps.step_rate()
+        if rate <= 0 and waited < FRESH_ROUND_WAIT_S:
             # Unknown, the rate would leave the stop step 2 past the newest step reported (a
             # heartbeat old): ranks that read the notice after passing it stop later than the
             # others, whose exit then breaks their collectives. check() comes back.
             return
         notice_s = 2 * self.job.config.heartbeat_interval_s + 1.0
-        step = stop_step(max(self.steps.newest, seen), self.steps.step_rate(), notice_s)
+        step = stop_step(max(self.steps.newest, seen), rate, notice_s)
         self.plan = dataclasses.replace(self.plan, step=step)
         self.sent, self._sent_round = True, self.job.round
         log.warning("graceful stop at step=%d round=%d", step, self.job.round)

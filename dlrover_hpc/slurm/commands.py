@@ -93,23 +93,26 @@ def drain_node(
     return DrainResult(ok=False, error=error, admin_command=admin)
 
 
-def job_nodes(job_id: str, *, run: Runner = run_command, timeout_s: float = 15.0) -> list[str]:
-    """Nodes the job holds now (SLURM_JOB_NODELIST goes stale when a node is lost)."""
-    done = run(["squeue", "-h", "-j", job_id, "-o", "%N"], timeout_s=timeout_s)
+def _squeue_job(job_id: str, fields: str, *, run: Runner, timeout_s: float) -> str:
+    """``squeue -h -j J -o FIELDS``'s line for the job ("" when Slurm no longer lists it)."""
+    done = run(["squeue", "-h", "-j", job_id, "-o", fields], timeout_s=timeout_s)
     if done.returncode != 0:
         raise SlurmError(f"squeue -j {job_id} failed: {done.stderr.strip()}")
-    return expand(done.stdout.strip(), source=f"squeue -j {job_id}")
+    return done.stdout.strip()
+
+
+def job_nodes(job_id: str, *, run: Runner = run_command, timeout_s: float = 15.0) -> list[str]:
+    """Nodes the job holds now (SLURM_JOB_NODELIST goes stale when a node is lost)."""
+    nodes = _squeue_job(job_id, "%N", run=run, timeout_s=timeout_s)
+    return expand(nodes, source=f"squeue -j {job_id}")
 
 
 def job_state_and_nodes(
     job_id: str, *, run: Runner = run_command, timeout_s: float = 15.0
 ) -> tuple[str, list[str]]:
-    """The job's state (``RUNNING``, ``CANCELLED``, ...; squeue shows a job given by id in any
-    state) and the nodes it holds now, from one squeue."""
-    done = run(["squeue", "-h", "-j", job_id, "-o", "%T %N"], timeout_s=timeout_s)
-    if done.returncode != 0:
-        raise SlurmError(f"squeue -j {job_id} failed: {done.stderr.strip()}")
-    state, _, nodes = done.stdout.strip().partition(" ")
+    """The job's state (``RUNNING``, ``CANCELLED``, ...; "" once it ended: a cancelled job is
+    gone from squeue at once) and the nodes it holds now, from one squeue."""
+    state, _, nodes = _squeue_job(job_id, "%T %N", run=run, timeout_s=timeout_s).partition(" ")
     return state, expand(nodes.strip(), source=f"squeue -j {job_id}")
 
 
