@@ -9,8 +9,9 @@ Each rank owns one small record in node-local memory (``$DLROVER_HPC_PROGRESS_FI
 ``/dev/shm``), rewritten in place with one ``pwrite``: the step, the wall time, the seconds the
 step spent in the model's forward (from the module hooks, 0 when unknown), the process id, how
 many times progress was reported, the p99 of the rank's recent step times, and the newest
-step's compute and wait seconds (:mod:`dlrover_hpc.agent.worker_hooks` measures them).  The
-agent reads it; nothing blocks training.
+step's compute and wait seconds (:mod:`dlrover_hpc.agent.worker_hooks` measures them), and the
+newest step the flash checkpointer holds in memory (:func:`saved`).  The agent reads it;
+nothing blocks training.
 
 Long phases that are not hangs are *sections* (:func:`section`): a checkpoint save or restore,
 an evaluation, a data loader's first batch, or anything a script marks.  The innermost open
@@ -48,6 +49,8 @@ _STOPPED = struct.Struct("<q")  # 1 + the step a rank stopped at for the notice 
 _STOPPED_AT = 80
 _SECTION = struct.Struct("<24sdd")  # name (empty: none), since (wall clock), bound_s (0: default)
 _SECTION_AT = 96
+_SAVED = struct.Struct("<q")  # 1 + the newest step the rank saved to memory (0: none yet)
+_SAVED_AT = 136
 
 #: Step times kept for the p99; the first steps of a process (warm-up) are not among them.
 STEP_WINDOW, WARMUP_STEPS, MIN_STEPS = 100, 2, 5
@@ -199,6 +202,18 @@ class _Reporter:
             with contextlib.suppress(OSError):
                 os.pwrite(self.fd, _STOPPED.pack(step + 1), _STOPPED_AT)
 
+    def saved(self, step: int) -> None:
+        path = os.environ.get(PATH_ENV, "")
+        if not path or self._forked:
+            return
+        if path != self.path or os.getpid() != self._pid:
+            try:
+                self._open(path)
+            except OSError:
+                return
+        with contextlib.suppress(OSError):  # progress must never break training
+            os.pwrite(self.fd, _SAVED.pack(step + 1), _SAVED_AT)
+
     def _open(self, path: str) -> None:
         if self.fd >= 0 and self._pid == os.getpid():
             os.close(self.fd)
@@ -288,6 +303,21 @@ def mark_stopped(step: int) -> None:
     """This rank ends at ``step`` because of the stop notice (not because training is over):
     the agent tells the master, which then continues the job."""
     _reporter.stopped(step)
+
+
+def saved(step: int) -> None:
+    """This rank holds ``step`` in memory now (a flash-checkpoint save): the master swaps a
+    straggler's node once every rank saved a step after it was found."""
+    _reporter.saved(int(step))
+
+
+def saved_at(path: str | os.PathLike[str]) -> int | None:
+    """The newest step the rank whose record is at ``path`` saved to memory, or None."""
+    fields = _read_at(path, _SAVED, _SAVED_AT)
+    if fields is None:
+        return None
+    (value,) = fields
+    return value - 1 if value > 0 else None
 
 
 def stopped_at(path: str | os.PathLike[str]) -> int | None:

@@ -184,6 +184,11 @@ class _Rank:
             self.pid = record.pid
 
 
+def _saved_step(path: str) -> int:
+    saved = progress.saved_at(path)
+    return -1 if saved is None else saved
+
+
 class Watchdog:
     def __init__(self, *, sample_s: float) -> None:
         self.sample_s = sample_s
@@ -333,6 +338,7 @@ class Watchdog:
                     else 0.0,
                     section_bound_s=section.bound_s if section else 0.0,
                     stopped_s=round(stopped_s, 3),
+                    saved_step=_saved_step(r.path),
                 )
             )
         return out

@@ -73,7 +73,7 @@ WARMUP_BOUND_S, WARMUP_MIN_S = 600.0, 120.0
 #: throughout, is a hang at once, whatever the other ranks do: it cannot progress until someone
 #: continues it, and its peers will wait for it in their next collective.  (A job that Slurm
 #: suspends stops its agents too, so they report no such thing.)
-STOPPED_BOUND_S = 10.0
+STOPPED_BOUND_S = 5.0
 #: ``auto``: each section's own bound, unless the script gave one; other names get ``eval``'s.
 #: A rank in a section also progresses while it (or a data-loader worker) uses CPU.
 SECTION_BOUNDS_S = {"checkpoint": 600.0, "eval": 600.0, "data": 300.0, "warmup": WARMUP_BOUND_S}
@@ -259,7 +259,9 @@ class HangWatch:
         #: ranks whose node was swapped out for being slow: slow again on another node, the
         #: rank's own work is slow (rank 0's logging, an uneven split), not the node
         self._swapped_ranks: set[int] = set()
-        self._swap: str | None = None  # a straggler's node, out at the next commit
+        self._swap: str | None = None  # a straggler's node, out at the next checkpoint
+        self._swap_after = -1  # the newest step when it was found: a save after it will do
+        job.on_round_opening = self.round_opening
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ reports
@@ -350,6 +352,7 @@ class HangWatch:
         if self.straggler_factor and now - self._stragglers_checked >= STRAGGLER_CHECK_S:
             self._stragglers_checked = now
             self._check_stragglers(now)
+        self._swap_if_saved()
 
     def _check_stragglers(self, now: float) -> None:
         timings = {}
@@ -406,7 +409,7 @@ class HangWatch:
                 else ("reported (slow on its previous node too)" if again else "reported"),
             )
             if swap:
-                self._swap = node
+                self._plan_swap(node)
         self._check_links(now)
 
     def _swap_wanted(self) -> bool:
@@ -451,18 +454,54 @@ class HangWatch:
                 action="swap at the next checkpoint" if swap else "reported",
             )
             if swap:
-                self._swap = node
+                self._plan_swap(node)
 
     def straggler_nodes(self) -> list[str]:
         """The nodes of the stragglers reported in this round (and slow links), sorted."""
         nodes = {self._seen[r].node for r in self._reported if r in self._seen}
         return sorted(nodes | self._reported_links)
 
+    def _plan_swap(self, node: str) -> None:
+        self._swap = node
+        self._swap_after = max((s.progress.step for s in self._seen.values()), default=-1)
+
     def committed(self) -> None:
         """A checkpoint was committed: the time to swap a straggler's node for a spare."""
+        if self._swap is not None and self.job.phase is Phase.RUNNING:
+            self._swap_now("a checkpoint committed")
+
+    def _swap_if_saved(self) -> None:
+        """Every rank of the running round holds a step in memory that it saved after the
+        straggler was found: the restart loses nothing, so its node goes now rather than at
+        the next commit (which, on a slow node, may be many slow steps away)."""
+        world = sum(n.nproc for n in self.job.participants())
+        saved = [s.progress.saved_step for s in self._seen.values()]
+        if self._swap is not None and len(saved) >= world > 0 and min(saved) > self._swap_after:
+            self._swap_now(f"every rank saved step {min(saved)} or later to memory")
+
+    def _swap_now(self, why: str) -> None:
         node, self._swap = self._swap, None
-        if node is not None and self.job.phase is Phase.RUNNING:
-            self.job.apply([d.Exclude(node, "runtime straggler")])
+        if node is None:
+            return
+        log.warning("swapping out the straggler's node node=%s: %s", node, why)
+        self.job.apply([d.Exclude(node, "runtime straggler")])
+
+    def round_opening(self) -> None:
+        """A round re-forms for another reason while a straggler's swap waits: the restart is
+        there anyway, so its node is left out of the next round now, if the others are
+        enough (a commit that came meanwhile must not drop the swap either)."""
+        node = self._swap
+        if node is None:
+            return
+        others = [
+            n
+            for n in self.job.nodes.values()
+            if n.node != node and n.state in (NodeState.ACTIVE, NodeState.WAITING)
+        ]
+        if len(others) >= self.job.config.nnodes.min:
+            self._swap = None
+            log.warning("straggler's node left out of the next round node=%s", node)
+            self.job.exclude(node, "runtime straggler")
 
     # ------------------------------------------------------------------ stacks
     async def collect(self, directory: Path, title: str) -> tuple[list[st.RankStack], str]:

@@ -99,6 +99,8 @@ class Job:
         self._stop_signal = ""
         self.stopping = ""  # a graceful stop's kind and reason (time limit, preemption)
         self.last_committed = -1  # the newest checkpoint step committed in this process
+        #: called as a round re-opens, before its agents are told (a pending straggler swap)
+        self.on_round_opening: Callable[[], None] | None = None
         self.netcheck = NetcheckGate(
             new_store=stores.new_store,
             store_host=store_host,
@@ -269,6 +271,8 @@ class Job:
         """Stop the running round: every active agent stops its workers and re-joins."""
         self._enter(phase)
         self._opened_at = self.clock()
+        if self.on_round_opening is not None:
+            self.on_round_opening()
         next_round = self.round + 1
         log.info("rendezvous opened round=%d phase=%s reason=%s", next_round, phase, reason)
         for rec in self.nodes.values():

@@ -142,6 +142,7 @@ class RankProgress:
     section_s: float = 0.0  # for how long
     section_bound_s: float = 0.0  # the section's own bound (0: the master's default)
     stopped_s: float = 0.0  # for how long its process has been stopped by a signal, throughout
+    saved_step: int = -1  # the newest step it saved to memory (flash checkpoint; -1: none)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from dlrover_hpc.diagnosis import stacks as st
+from dlrover_hpc.master import decisions as d
 from dlrover_hpc.master import hangs
 from dlrover_hpc.master.hangs import HangWatch
 from dlrover_hpc.master.nodes import NodeState
@@ -112,11 +113,13 @@ def test_a_rank_within_its_section_bound_keeps_the_job_from_a_hang() -> None:
 
 
 def test_a_rank_stopped_by_a_signal_is_a_hang_at_once_with_auto_alone() -> None:
-    stopped = _p(1, 4.0, stopped_s=4.0)
-    # the others still step (or only just began to wait for it): 10 s stopped is enough
+    stopped = _p(1, 1.0, stopped_s=1.0)
+    bound = hangs.STOPPED_BOUND_S
+    assert bound == 5.0  # SIGSTOP for 5 s throughout: nothing legitimate does that
+    # the others still step (or only just began to wait for it): 5 s stopped is enough
     job = [(_p(0, 0.2), 10.0), (stopped, 10.0)]
-    assert hangs.hung_ranks(job, now=15.0, timeout_s=AUTO) is None
-    assert hangs.hung_ranks(job, now=16.0, timeout_s=AUTO) == hangs.Bound(
+    assert hangs.hung_ranks(job, now=10.0 + bound - 1.5, timeout_s=AUTO) is None
+    assert hangs.hung_ranks(job, now=10.0 + bound - 1.0, timeout_s=AUTO) == hangs.Bound(
         hangs.STOPPED_BOUND_S, "stopped process"
     )
     # in its evaluation, its warm-up or its checkpoint alike
@@ -277,9 +280,14 @@ def test_a_second_hang_on_the_same_node_excludes_it(tmp_path: Path) -> None:
     run(body)
 
 
-def _timed_beat(h: Harness, watch: HangWatch, agents: list[str], step: int) -> None:
-    """One heartbeat per agent: n3's ranks compute 0.5 s a step, the others 0.1 s and wait."""
-    for agent, (compute, wait) in zip(agents, ((0.1, 0.4), (0.1, 0.4), (0.5, 0.0)), strict=True):
+def _timed_beat(
+    h: Harness, watch: HangWatch, agents: list[str], step: int, saved: int | list[int] = -1
+) -> None:
+    """One heartbeat per agent: n3's ranks compute 0.5 s a step, the others 0.1 s and wait;
+    each rank saved step ``saved`` (per agent, when a list) to memory last (-1: none)."""
+    per_agent = saved if isinstance(saved, list) else [saved] * len(agents)
+    timings = ((0.1, 0.4), (0.1, 0.4), (0.5, 0.0))
+    for agent, (compute, wait), last_saved in zip(agents, timings, per_agent, strict=True):
         progress = [
             m.RankProgress(
                 rank=rank,
@@ -288,6 +296,7 @@ def _timed_beat(h: Harness, watch: HangWatch, agents: list[str], step: int) -> N
                 at=1000.0 + step,
                 compute_s=compute,
                 wait_s=wait,
+                saved_step=last_saved,
             )
             for rank in _ranks(h, agent)
         ]
@@ -330,6 +339,80 @@ def test_a_sustained_straggler_is_reported_and_swapped_at_the_next_commit(tmp_pa
         watch.committed()
         assert h.job.nodes[agents[2]].state is NodeState.EXCLUDED
         assert h.job.phase is Phase.SHRINKING
+
+    run(body)
+
+
+def test_a_straggler_is_swapped_once_every_rank_saved_a_newer_step_to_memory(
+    tmp_path: Path,
+) -> None:
+    """The next commit may be many slow steps away; a memory checkpoint every rank took after
+    the straggler was found loses nothing at the restart, so its node goes then."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3")
+        agents = h.start("n1", "n2", "n3")
+        watch = _watch(h, tmp_path)
+        watch.straggler_factor = 2.0
+        _sustained_straggler(h, watch, agents)
+        found_at = max(s.progress.step for s in watch._seen.values())
+        _timed_beat(h, watch, agents, found_at + 1, saved=found_at)  # saved before: not yet
+        watch.check()
+        assert h.job.phase is Phase.RUNNING
+        assert h.job.nodes[agents[2]].state is NodeState.ACTIVE
+        # one node's ranks saved a newer step, the others not yet
+        _timed_beat(h, watch, agents, found_at + 2, saved=[found_at, found_at, found_at + 2])
+        watch.check()
+        assert h.job.phase is Phase.RUNNING
+        _timed_beat(h, watch, agents, found_at + 3, saved=found_at + 2)
+        watch.check()
+        assert h.job.nodes[agents[2]].state is NodeState.EXCLUDED
+        assert h.job.phase is Phase.SHRINKING and "n3" in h.job.excluded_nodes
+
+    run(body)
+
+
+def test_a_round_that_reopens_while_a_swap_waits_leaves_the_straggler_out(
+    tmp_path: Path,
+) -> None:
+    """A hang's (or any fault's) restart came before the next checkpoint: the straggler's node
+    is left out of that restart, not kept for a second one; a checkpoint committed while the
+    round re-forms does not drop the swap (the soak lost a slow link's swap that way and ran
+    40 s more at a quarter speed)."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3")
+        agents = h.start("n1", "n2", "n3")
+        watch = _watch(h, tmp_path)
+        watch.straggler_factor = 2.0
+        _sustained_straggler(h, watch, agents)
+        h.job.apply([d.OpenRound(Phase.RESTARTING, "a worker failed")])
+        assert h.job.nodes[agents[2]].state is NodeState.EXCLUDED
+        assert "n3" in h.job.excluded_nodes and h.job.phase is Phase.RESTARTING
+        watch.committed()  # nothing pending any more: no second exclusion, no second round
+        assert h.job.phase is Phase.RESTARTING
+
+    run(body)
+
+
+def test_a_commit_while_the_round_reforms_keeps_the_swap_pending(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="3:3")
+        agents = h.start("n1", "n2", "n3")
+        watch = _watch(h, tmp_path)
+        watch.straggler_factor, watch.exclude_straggler = 2.0, True
+        _sustained_straggler(h, watch, agents)
+        h.job.apply([d.OpenRound(Phase.RESTARTING, "a worker failed")])
+        # two others are below MIN 3: n3 is not left out of this restart, its swap waits
+        assert h.job.nodes[agents[2]].state is NodeState.ACTIVE
+        watch.committed()  # while the round forms: the swap must survive it
+        assert watch._swap == "n3"
+        for agent in agents:
+            h.wait(agent, after=1)
+        h.settle(1.5)
+        assert (h.job.phase, h.job.round) == (Phase.RUNNING, 2)
+        watch.committed()
+        assert h.job.nodes[agents[2]].state is NodeState.EXCLUDED
 
     run(body)
 

@@ -156,6 +156,7 @@ class Engine:
         """Starts the second buffer's preparation, asks for a persist, emits the event
         (`blocking_s`: training was held; `total_s`: until the step was whole in memory)."""
         ok = True
+        progress.saved(step)  # whole in memory: a straggler's node may go now
         self.buffers.prepare_second(seg.size, device)
         self.drop_earlier_worlds_segments()
         if self.replicas:
