@@ -61,6 +61,15 @@ class Exclude:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Bench:
+    """Take a straggler's ``node`` out of the rounds; it is taken back only when a round would
+    otherwise wait below MIN (see `Job.bench`)."""
+
+    node: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class RemoveNode:
     """Take ``node`` out of the cluster: ``scontrol`` drain, or quarantine."""
 
@@ -122,6 +131,7 @@ Action = (
     | CountRestart
     | ChargeLater
     | Exclude
+    | Bench
     | RemoveNode
     | MarkLost
     | RequestReplacement
@@ -226,10 +236,13 @@ def durability(nodes: Sequence[NodeRecord]) -> dict[str, tuple[int, int, str]]:
     return out
 
 
-def excluded(phase: Phase, node: str, reason: str, was_active: bool) -> list[Action]:
-    """``node`` was excluded; ``was_active``: one of its agents was in the running round."""
+def excluded(
+    phase: Phase, node: str, reason: str, was_active: bool, *, how: str = "excluded"
+) -> list[Action]:
+    """``node`` was excluded (or benched); ``was_active``: one of its agents was in the
+    running round."""
     if was_active and phase is Phase.RUNNING:
-        return [OpenRound(Phase.SHRINKING, f"node {node} excluded: {reason}")]
+        return [OpenRound(Phase.SHRINKING, f"node {node} {how}: {reason}")]
     return []
 
 

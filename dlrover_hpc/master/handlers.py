@@ -212,7 +212,7 @@ class AgentHandlers:
         return m.HeartbeatReply(
             round=self.job.round,
             finished=self.job.ended,
-            member=rec.state is not NodeState.WAITING,
+            member=rec.state not in (NodeState.WAITING, NodeState.BENCHED),
         )
 
     def _progress(

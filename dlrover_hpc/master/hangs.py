@@ -256,9 +256,9 @@ class HangWatch:
         self._link_since: dict[str, float] = {}
         self._reported_links: set[str] = set()
         self._reported: set[int] = set()  # stragglers reported in this round
-        #: ranks whose node was swapped out for being slow: slow again on another node, the
-        #: rank's own work is slow (rank 0's logging, an uneven split), not the node
-        self._swapped_ranks: set[int] = set()
+        #: rank -> the node it was swapped out of for being slow: slow again on another node,
+        #: the rank's own work is slow (rank 0's logging, an uneven split), not the node
+        self._swapped_ranks: dict[int, str] = {}
         self._swap: str | None = None  # a straggler's node, out at the next checkpoint
         self._swap_after = -1  # the newest step when it was found: a save after it will do
         job.on_round_opening = self.round_opening
@@ -389,10 +389,10 @@ class HangWatch:
                 str(r): {"compute_s": round(c, 4), "wait_s": round(w, 4)}
                 for r, (c, w) in sorted(timings.items())[:64]
             }
-            again = rank in self._swapped_ranks
+            again = self._swapped_ranks.get(rank, node) != node
             swap = self._swap_wanted() and not again
             if swap:
-                self._swapped_ranks.add(rank)
+                self._swapped_ranks[rank] = node
             self.job.emit(
                 EventName.STRAGGLER_DETECTED,
                 node=node,
@@ -484,7 +484,7 @@ class HangWatch:
         if node is None:
             return
         log.warning("swapping out the straggler's node node=%s: %s", node, why)
-        self.job.apply([d.Exclude(node, "runtime straggler")])
+        self.job.apply([d.Bench(node, "runtime straggler")])
 
     def round_opening(self) -> None:
         """A round re-forms for another reason while a straggler's swap waits: the restart is
@@ -501,7 +501,7 @@ class HangWatch:
         if len(others) >= self.job.config.nnodes.min:
             self._swap = None
             log.warning("straggler's node left out of the next round node=%s", node)
-            self.job.exclude(node, "runtime straggler")
+            self.job.bench(node, "runtime straggler")
 
     # ------------------------------------------------------------------ stacks
     async def collect(self, directory: Path, title: str) -> tuple[list[st.RankStack], str]:

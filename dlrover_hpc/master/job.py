@@ -205,6 +205,8 @@ class Job:
                     self._charge.later(reason)
                 case d.Exclude(node, reason):
                     self.exclude(node, reason)
+                case d.Bench(node, reason):
+                    self.bench(node, reason)
                 case d.RemoveNode(node, reason):
                     if self._remove_node is not None:
                         self._remove_node(node, reason)  # drain, or quarantine when refused
@@ -239,9 +241,10 @@ class Job:
 
     def _lose(self, rec: NodeRecord, reason: str) -> None:
         actions = d.node_lost(self.phase, self.round, rec, reason)
-        rec.state = NodeState.LOST
+        benched, rec.state = rec.state is NodeState.BENCHED, NodeState.LOST
         self.settle(rec, "lost")
-        self.capacity = self.capacity.lost()
+        if not benched:  # a benched node was counted as a loss when it was benched
+            self.capacity = self.capacity.lost()
         self.relaunches.last_loss_at = self.clock()
         self._charge.cancel()
         if rec.waiter is not None and not rec.waiter.done():
@@ -266,6 +269,49 @@ class Job:
             if rec.waiter is not None and not rec.waiter.done():
                 rec.waiter.set_result(m.Assignment(status=m.NodeStatus.EXCLUDED, reason=reason))
         self.apply(d.excluded(self.phase, node, reason, was_active))
+
+    def bench(self, node: str, reason: str) -> None:
+        """A straggler's node leaves the rounds, its agent waiting: not a hot spare (the next
+        fault takes a spare or a replacement instead, and a replacement is asked for as for a
+        lost node), but taken back when a round would otherwise wait with fewer than MIN nodes
+        (:meth:`_reserve`): a slow node trains, a missing one does not."""
+        was_active = False
+        for rec in self.nodes.values():
+            if rec.node != node or rec.state not in (NodeState.ACTIVE, NodeState.WAITING):
+                continue
+            was_active |= rec.state is NodeState.ACTIVE
+            rec.state, rec.joined_at = NodeState.BENCHED, self.clock()
+            self.capacity = self.capacity.lost()
+            if was_active:  # its workers stop now, not when the next round is complete
+                told = f"node {node} benched: {reason}"
+                self._push(rec.agent_id, m.RoundChanged(round=self.round + 1, reason=told))
+        log.warning("node benched node=%s reason=%s", node, reason)
+        self.apply(d.excluded(self.phase, node, reason, was_active, how="benched"))
+
+    def _reserve(self, waiting: list[NodeRecord]) -> list[NodeRecord]:
+        """Benched nodes a forming round takes back: fewer than MIN wait and nobody else is
+        left to wait for; those benched longest first."""
+        alive = sum(1 for n in self.nodes.values() if d.reachable(n))
+        short = self.params.min_nodes - len(waiting)
+        if short <= 0 or len(waiting) < alive:
+            return []
+        benched = [
+            n
+            for n in self.nodes.values()
+            if n.state is NodeState.BENCHED
+            and n.disconnected_at is None
+            and n.waiter is not None
+            and not n.waiter.done()
+        ]
+        taken = sorted(benched, key=lambda n: (n.joined_at, n.agent_id))[:short]
+        for rec in taken:
+            log.warning(
+                "benched node taken back node=%s: the round would wait with %d of MIN %d nodes",
+                rec.node,
+                len(waiting),
+                self.params.min_nodes,
+            )
+        return taken
 
     def open_round(self, phase: Phase, reason: str) -> None:
         """Stop the running round: every active agent stops its workers and re-joins."""
@@ -351,6 +397,8 @@ class Job:
             # keepalives unanswered (cc23, cc30: every agent of a job lost at once). Next tick.
             return None
         waiting = self._waiting()
+        waiting += self._reserve(waiting)
+        ids = {n.agent_id for n in waiting}  # not `n in waiting`: quadratic at 16k nodes
         decision = decide(
             params=self.params,
             waiting=[
@@ -362,8 +410,10 @@ class Job:
                 for n in waiting
             ],
             # A disconnected agent is not waited for: if it reconnects, it re-joins.
-            alive=sum(1 for n in self.nodes.values() if d.reachable(n)),
-            returning=sum(1 for n in self.participants() if d.reachable(n) and n not in waiting),
+            alive=sum(1 for n in self.nodes.values() if d.reachable(n) or n.agent_id in ids),
+            returning=sum(
+                1 for n in self.participants() if d.reachable(n) and n.agent_id not in ids
+            ),
             initial=self.round == 0,
             opened_at=self._opened_at,
             now=self.clock(),

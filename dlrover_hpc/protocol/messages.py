@@ -32,6 +32,9 @@ class NodeState(StrEnum):
     DONE = "done"  # workers finished successfully
     LOST = "lost"  # stopped heart-beating or disconnected
     EXCLUDED = "excluded"  # quarantined / drained: never admitted again in this job
+    #: a straggler's node, swapped out: its agent waits, and a round takes it back only when
+    #: it would otherwise wait with fewer than MIN nodes (slow beats stopped)
+    BENCHED = "benched"
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -337,7 +337,7 @@ def test_a_sustained_straggler_is_reported_and_swapped_at_the_next_commit(tmp_pa
         assert first["evidence"]["4"] == {"compute_s": 0.5, "wait_s": 0.0}
         assert h.job.phase is Phase.RUNNING  # not before the next checkpoint
         watch.committed()
-        assert h.job.nodes[agents[2]].state is NodeState.EXCLUDED
+        assert h.job.nodes[agents[2]].state is NodeState.BENCHED
         assert h.job.phase is Phase.SHRINKING
 
     run(body)
@@ -366,8 +366,8 @@ def test_a_straggler_is_swapped_once_every_rank_saved_a_newer_step_to_memory(
         assert h.job.phase is Phase.RUNNING
         _timed_beat(h, watch, agents, found_at + 3, saved=found_at + 2)
         watch.check()
-        assert h.job.nodes[agents[2]].state is NodeState.EXCLUDED
-        assert h.job.phase is Phase.SHRINKING and "n3" in h.job.excluded_nodes
+        assert h.job.nodes[agents[2]].state is NodeState.BENCHED
+        assert h.job.phase is Phase.SHRINKING and "n3" not in h.job.excluded_nodes
 
     run(body)
 
@@ -387,8 +387,8 @@ def test_a_round_that_reopens_while_a_swap_waits_leaves_the_straggler_out(
         watch.straggler_factor = 2.0
         _sustained_straggler(h, watch, agents)
         h.job.apply([d.OpenRound(Phase.RESTARTING, "a worker failed")])
-        assert h.job.nodes[agents[2]].state is NodeState.EXCLUDED
-        assert "n3" in h.job.excluded_nodes and h.job.phase is Phase.RESTARTING
+        assert h.job.nodes[agents[2]].state is NodeState.BENCHED
+        assert "n3" not in h.job.excluded_nodes and h.job.phase is Phase.RESTARTING
         watch.committed()  # nothing pending any more: no second exclusion, no second round
         assert h.job.phase is Phase.RESTARTING
 
@@ -412,7 +412,7 @@ def test_a_commit_while_the_round_reforms_keeps_the_swap_pending(tmp_path: Path)
         h.settle(1.5)
         assert (h.job.phase, h.job.round) == (Phase.RUNNING, 2)
         watch.committed()
-        assert h.job.nodes[agents[2]].state is NodeState.EXCLUDED
+        assert h.job.nodes[agents[2]].state is NodeState.BENCHED
 
     run(body)
 
@@ -489,5 +489,64 @@ def test_the_watch_measures_a_rounds_warm_up_once(tmp_path: Path) -> None:
             watch.check()
             h.clock.now += 10.0
         assert watch.longest_warmup_s == 20.0  # from the first report to every rank's p99
+
+    run(body)
+
+
+def test_a_benched_straggler_is_taken_back_only_when_a_round_would_wait_below_min(
+    tmp_path: Path,
+) -> None:
+    """A swapped-out straggler's node is no spare: its agent waits, benched. When a later loss
+    leaves fewer than MIN nodes and nobody else to wait for, a round takes it back (a slow
+    node trains, a missing one does not; the soak waited 27 s there for a cut link's node)."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3")
+        agents = h.start("n1", "n2", "n3")
+        watch = _watch(h, tmp_path)
+        watch.straggler_factor = 2.0
+        _sustained_straggler(h, watch, agents)
+        watch.committed()
+        n3 = h.job.nodes[agents[2]]
+        assert n3.state is NodeState.BENCHED and h.job.phase is Phase.SHRINKING
+        # its workers are told to stop now, and its heartbeats say it is no member
+        told = [msg for agent, msg in h.pushed if agent == agents[2]]
+        assert isinstance(told[-1], m.RoundChanged) and "benched" in told[-1].reason
+        assert not h.agents.heartbeat(m.Heartbeat(agent_id=agents[2], round=1)).member
+        for agent in agents:
+            h.wait(agent, after=1)
+        h.settle(1.5)
+        assert (h.job.phase, h.job.round) == (Phase.RUNNING, 2)
+        assert n3.state is NodeState.BENCHED and h.job.spares() == 0  # not a hot spare
+        assert not h.job.can_swap_out() or h.job.can_replace
+        # n2 is lost: n1 alone is below MIN 2, and nobody else is left to wait for
+        h.job.apply([d.MarkLost(agents[1], "connection closed")])
+        h.wait(agents[0], after=2)
+        h.settle(0.5)
+        assert (h.job.phase, h.job.round) == (Phase.RUNNING, 3)
+        assert n3.state is NodeState.ACTIVE and n3.round == 3
+        assert [e["node"] for e in h.events("node_admitted")] == ["n3"]
+
+    run(body)
+
+
+def test_a_round_that_can_wait_for_a_node_does_not_take_a_benched_one(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3")
+        agents = h.start("n1", "n2", "n3")
+        h.job.bench("n3", "runtime straggler")
+        for agent in agents:
+            h.wait(agent, after=1)
+        h.settle(1.5)
+        assert (h.job.phase, h.job.round) == (Phase.RUNNING, 2)
+        # n1's workers failed: n2 is still to re-join, so the round waits for it, not for n3
+        h.job.apply([d.OpenRound(Phase.RESTARTING, "a worker failed")])
+        h.wait(agents[0], after=2)
+        h.settle(0.5)
+        assert h.job.phase is Phase.RESTARTING
+        h.wait(agents[1], after=2)
+        h.settle(0.5)
+        assert (h.job.phase, h.job.round) == (Phase.RUNNING, 3)
+        assert h.job.nodes[agents[2]].state is NodeState.BENCHED
 
     run(body)
