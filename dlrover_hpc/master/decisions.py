@@ -346,7 +346,7 @@ def capacity(
     if wanted and can_replace and not judging and now >= cap.retry_at:
         cap = dataclasses.replace(cap, replaced=cap.losses)
         count = replacement_count(alive, cap.failures, params)
-        held = {n.node for n in records if n.state in USABLE}
+        held = {n.node for n in records if n.state in USABLE or n.state is NodeState.BENCHED}
         if count > 0:
             actions.append(RequestReplacement(count, tuple(sorted(held | set(excluded_nodes)))))
     if alive >= params.min_nodes:

@@ -44,6 +44,10 @@ def slurm_usable(state: str) -> bool:
     return not state.endswith(("*", "~", "#", "!", "%")) and not state.startswith(UNUSABLE_STATES)
 
 
+#: An agent in these states runs on its node: a new one there would only replace it.
+HOSTING = USABLE | {NodeState.BENCHED}
+
+
 def relaunches(
     records: Sequence[NodeRecord],
     *,
@@ -58,7 +62,7 @@ def relaunches(
     ``node_readmitted``).  At MAX too: the node is the job's either way, and a new agent there
     waits as a hot spare for the next loss.  A node whose relaunches failed ``MAX_RELAUNCHES``
     times in a row is left to replacement jobs; retries back off 5, 10, 20 s."""
-    usable = {n.node for n in records if n.state in USABLE}
+    usable = {n.node for n in records if n.state in HOSTING}
     flying = {node for node, r in attempts.items() if r.in_flight(now)} - usable
     excluded = set(excluded_nodes)
     out: list[Relaunch] = []

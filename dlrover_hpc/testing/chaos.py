@@ -21,7 +21,7 @@ import statistics
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psutil
@@ -44,7 +44,7 @@ class FaultKind(enum.StrEnum):
     DRAIN = "drain"  # an admin drains a node; resumed after heal_s
     # Faults that do not crash anything (issue 25):
     WORKER_HANG = "worker_hang"  # SIGSTOP one training process, never continued
-    SLOW_NODE = "slow_node"  # one training process runs 1/4 of the time, for heal_s
+    SLOW_NODE = "slow_node"  # the node's first training process runs 1/4 of the time, heal_s
     LINK_SLOW = "link_slow"  # the node's link rate-limited (tbf; no netem here), for heal_s
 
 
@@ -170,7 +170,12 @@ class Chaos:
                 else:
                     stop = threading.Event()
                     self._throttles[node] = stop
-                    threading.Thread(target=_throttle, args=(pids[0], stop), daemon=True).start()
+
+                    def find(node: str = node) -> int | None:
+                        return next(iter(training_pids(self.cluster, self.job_id, node)), None)
+
+                    args = (pids[0], find, stop)
+                    threading.Thread(target=_throttle, args=args, daemon=True).start()
             case FaultKind.LINK_SLOW:
                 self.cluster.slow_link(node, rate=LINK_SLOW_RATE)
         self.log.append({"time": time.time(), "kind": fault.kind.value, "node": node})
@@ -218,18 +223,25 @@ def training_pids(cluster: LocalSlurm, job_id: str, node: str) -> list[int]:
     return []
 
 
-def _throttle(pid: int, stop: threading.Event) -> None:
-    """Runs ``pid`` :data:`SLOW_ON_S` of every :data:`SLOW_PERIOD_S` until ``stop``."""
-    try:
-        while not stop.is_set():
+def _throttle(pid: int | None, find: Callable[[], int | None], stop: threading.Event) -> None:
+    """Runs ``pid`` :data:`SLOW_ON_S` of every :data:`SLOW_PERIOD_S` until ``stop``.  The node
+    is what is slow, not the process: when it ends (the job restarted its workers), the node's
+    next training process (``find``) is throttled in its place, if the node trains again."""
+    while not stop.is_set():
+        if pid is None and (pid := find()) is None:
+            stop.wait(SLOW_PERIOD_S)  # no training process there (between rounds, benched)
+            continue
+        try:
             os.kill(pid, signal.SIGCONT)
             time.sleep(SLOW_ON_S)
             os.kill(pid, signal.SIGSTOP)
-            stop.wait(SLOW_PERIOD_S - SLOW_ON_S)
-    except OSError:  # it ended (the job restarted it)
-        return
-    with contextlib.suppress(OSError):
-        os.kill(pid, signal.SIGCONT)
+        except OSError:  # it ended
+            pid = None
+            continue
+        stop.wait(SLOW_PERIOD_S - SLOW_ON_S)
+    if pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGCONT)
 
 
 def _kill(pid: int) -> None:

@@ -55,6 +55,11 @@ def test_a_lost_agent_on_a_healthy_allocated_node_is_relaunched() -> None:
         ("draining", [rec("node3", LOST)], {"allocation": {"node3": "drng"}}),
         ("excluded (faulty)", [rec("node3", LOST)], {"excluded": ("node3",)}),
         ("its agent came back", [rec("node3", LOST), rec("node3", W, n=2)], {}),
+        (
+            "its agent waits benched (a straggler's node): a new one would replace it",
+            [rec("node3", LOST), rec("node3", NodeState.BENCHED, n=2)],
+            {},
+        ),
         ("no command line known", [rec("node3", LOST, argv=())], {}),
         ("its link timed out: the agent may reconnect", [timed_out("node3")], {}),
         (

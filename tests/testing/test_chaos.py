@@ -1,11 +1,18 @@
-"""The chaos stream's pure parts: the seeded plan and the analysis of a job's logs."""
+"""The chaos stream: the seeded plan, the analysis of a job's logs, and a slow node's throttle
+(real processes)."""
 
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
+import threading
+import time
 
+import psutil
 import pytest
 
+from dlrover_hpc.testing import chaos
 from dlrover_hpc.testing.chaos import FaultKind, analyze, plan
 
 
@@ -81,3 +88,46 @@ def test_a_long_stall_lists_what_the_job_did_meanwhile() -> None:
         "+30.0 rendezvous_complete",
         "+31.0 workers_started node1",
     ]
+
+
+def test_a_slow_node_throttles_the_next_training_process_once_the_first_ended() -> None:
+    """The node is slow, not one process: after the job restarts the node's workers, the new
+    one is throttled in its place (the soak's slow node was healed by any restart before)."""
+
+    def sleeper() -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+    first, second = sleeper(), sleeper()
+    current = {"pid": None}  # no training process found at first, between two rounds
+    stop = threading.Event()
+    thread = threading.Thread(
+        target=chaos._throttle, args=(first.pid, lambda: current["pid"], stop), daemon=True
+    )
+    try:
+        thread.start()
+
+        def stopped_once(pid: int) -> bool:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
+                    return True
+                time.sleep(0.02)
+            return False
+
+        assert stopped_once(first.pid)
+        first.kill()
+        first.wait()
+        time.sleep(3 * chaos.SLOW_PERIOD_S)  # nothing to throttle: it waits
+        assert psutil.Process(second.pid).status() != psutil.STATUS_STOPPED
+        current["pid"] = second.pid
+        assert stopped_once(second.pid)
+        stop.set()
+        thread.join(5)
+        assert not thread.is_alive()
+        time.sleep(0.1)
+        assert psutil.Process(second.pid).status() != psutil.STATUS_STOPPED  # continued
+    finally:
+        stop.set()
+        for p in (first, second):
+            p.kill()
+            p.wait()
