@@ -4,7 +4,8 @@ A 5-node allocation trains with ``--nnodes=3:4`` (4 train, 1 hot spare) while a 
 of faults hits the job's nodes every ~50 s: SIGKILL of a worker, of an agent, of slurmd; a
 node's link cut for 30 s; a node crash (back after 20 s); an admin drain (resumed after 60 s);
 and the faults that crash nothing (issue 25): a worker SIGSTOPped for good (``worker_hang``),
-a worker run a quarter of the time for 120 s (``slow_node``), a node's link rate-limited for
+the node's first training process run a quarter of the time for 120 s,
+whichever process that is after a restart (``slow_node``), a node's link rate-limited for
 120 s (``link_slow``).  The job runs with the default flags.  ``--kinds`` picks a subset.
 The master's node is spared (it has no stand-by yet).  Prints one JSON line: goodput (distinct
 steps x ideal step time / wall; the ideal step time is the median interval between

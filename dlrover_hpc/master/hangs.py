@@ -51,6 +51,10 @@ COLLECT_TIMEOUT_S = 15.0
 #: Fail-slow: a rank is a straggler once it stood out in every check for this long, each
 #: check comparing the medians of the steps reported in the last :data:`SAMPLE_WINDOW_S`.
 STRAGGLER_WINDOW_S = 20.0
+#: ... in this share of the checks of that window, not every one: a throttled rank's medians
+#: are noisy (a check that misses it must not start the window again; in a soak one did, and
+#: a node at a quarter speed went 88 s unreported).
+SLOW_SHARE = 0.75
 SAMPLE_WINDOW_S = 15.0
 STRAGGLER_CHECK_S = 2.0  # compare ranks this often (linear in the ranks)
 MIN_SAMPLES = 3
@@ -222,6 +226,16 @@ def stragglers(timings: dict[int, tuple[float, float]], factor: float) -> dict[i
     return out
 
 
+def _still_slow(checks: Sequence[tuple[float, bool]], now: float) -> bool:
+    """A straggler episode goes on (``checks``: each check's time and whether it found the rank
+    slow, from the first that did): at least :data:`SLOW_SHARE` of the checks of the last
+    :data:`STRAGGLER_WINDOW_S` found it, once there are four; never two misses in a row."""
+    recent = [was for at, was in checks if now - at <= STRAGGLER_WINDOW_S]
+    if len(recent) >= 2 and not recent[-1] and not recent[-2]:
+        return False
+    return len(recent) < 4 or sum(recent) >= SLOW_SHARE * len(recent)
+
+
 def slow_links(rtts: dict[str, float], *, factor: float = LINK_FACTOR) -> dict[str, Slow]:
     """Nodes whose median heartbeat round trip is ``factor`` times their peers' median and
     :data:`MIN_LINK_EXTRA_S` longer (node -> the evidence; ``compute_s`` holds its round trip,
@@ -246,7 +260,8 @@ class HangWatch:
         self._ids = itertools.count(1)
         self._waiting: dict[int, tuple[set[str], list[m.RankStackRow], asyncio.Event]] = {}
         self.hangs_by_node: dict[str, int] = {}
-        self._slow_since: dict[int, float] = {}
+        #: rank -> (check time, found slow) of the checks since it was first found slow
+        self._slow_checks: dict[int, collections.deque[tuple[float, bool]]] = {}
         self._samples: dict[int, collections.deque[tuple[float, float, float]]] = {}
         self._rtts: dict[str, collections.deque[tuple[float, float]]] = {}  # node -> (at, rtt)
         #: master clock of the round's first report; 0: none yet; None: its warm-up is measured
@@ -282,7 +297,7 @@ class HangWatch:
         """Forget the ended round's progress once the job runs another one."""
         if self.job.round != self._round:
             self._seen.clear()
-            self._slow_since.clear()
+            self._slow_checks.clear()
             self._samples.clear()
             self._reported.clear()
             self._rtts.clear()
@@ -364,11 +379,15 @@ class HangWatch:
                     statistics.median(w for _, w in recent),
                 )
         slow = stragglers(timings, self.straggler_factor)
-        for rank in list(self._slow_since):
-            if rank not in slow:
-                del self._slow_since[rank]
+        for rank, checks in list(self._slow_checks.items()):
+            checks.append((now, rank in slow))
+            if not _still_slow(checks, now):
+                del self._slow_checks[rank]  # the episode ended: its window starts again
         for rank, found in slow.items():
-            since = self._slow_since.setdefault(rank, now)
+            checks = self._slow_checks.setdefault(
+                rank, collections.deque([(now, True)], maxlen=64)
+            )
+            since = checks[0][0]
             if now - since < STRAGGLER_WINDOW_S or rank in self._reported:
                 continue
             self._reported.add(rank)
@@ -590,7 +609,7 @@ class HangWatch:
         finally:
             self._seen.clear()
             self._samples.clear()
-            self._slow_since.clear()
+            self._slow_checks.clear()
             self._busy = False
 
 

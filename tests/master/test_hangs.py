@@ -7,6 +7,8 @@ import asyncio
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 from dlrover_hpc.diagnosis import stacks as st
 from dlrover_hpc.master import decisions as d
 from dlrover_hpc.master import hangs
@@ -550,3 +552,23 @@ def test_a_round_that_can_wait_for_a_node_does_not_take_a_benched_one(tmp_path: 
         assert h.job.nodes[agents[2]].state is NodeState.BENCHED
 
     run(body)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "goes_on"),
+    [
+        ("S", True),
+        ("SS", True),
+        ("SM", True),  # one miss: the next check decides
+        ("SMM", False),  # two misses in a row end the episode
+        ("SSSMSSSMSS", True),  # a throttled rank's noisy medians: 80 % of the checks
+        ("SSSSSSSSSM", True),
+        ("SMSMSMSMSM", False),  # half the time is no straggler
+        ("SSMSMSMSMS", False),
+    ],
+)
+def test_a_straggler_episode_survives_a_missed_check_but_not_half_of_them(
+    pattern: str, goes_on: bool
+) -> None:
+    checks = [(2.0 * i, c == "S") for i, c in enumerate(pattern)]
+    assert hangs._still_slow(checks, now=checks[-1][0]) is goes_on
