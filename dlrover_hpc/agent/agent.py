@@ -217,6 +217,7 @@ class Agent:
             node=self.node,
             token=self._token,
             replicas=replicas,
+            events_path=str(self.job_dir / "events.jsonl"),
         )
         try:
             return await self._rounds()

@@ -11,6 +11,7 @@ from typing import Any
 
 from dlrover_hpc.agent.master_link import MasterLink
 from dlrover_hpc.checkpoint.env import DEFAULT_SHM_DIR, current_user, segment_prefix
+from dlrover_hpc.checkpoint.event_sinks import JsonlEventSink
 from dlrover_hpc.checkpoint.saver.host import SaverHost
 from dlrover_hpc.checkpoint.saver.replica_sender import ReplicaSender
 from dlrover_hpc.checkpoint.saver.replicas import ReplicaServer
@@ -76,8 +77,16 @@ def start_replica_server(token: str, node: str) -> ReplicaServer:
 
 
 def start_saver(
-    client: MasterLink, *, job_id: str, node: str, token: str, replicas: ReplicaServer
+    client: MasterLink,
+    *,
+    job_id: str,
+    node: str,
+    token: str,
+    replicas: ReplicaServer,
+    events_path: str | None = None,
 ) -> SaverHost:
+    """``events_path``: the job's events.jsonl, where the node's ``checkpoint_saved`` lines go
+    (one per step; the workers append there too, with O_APPEND)."""
     loop = asyncio.get_running_loop()
     events = MasterEventSink(client, loop, node)
     prefix = segment_prefix(user=current_user(), job_id=job_id, node_name=node)
@@ -92,6 +101,7 @@ def start_saver(
         commit=MasterCommitCoordinator(client, loop),
         events=events,
         replicas=sender,
+        saved_events=JsonlEventSink(events_path, node=node) if events_path else None,
     )
     host.start()
     log.info("checkpoint saver listening socket=%s", host.socket_path)

@@ -231,3 +231,63 @@ def test_saver_side_imports_without_torch() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout.strip()) >= 9  # every module of the saver package was imported
+
+
+def _run_saves(tmp_path: Path, host: SaverHost, world: int) -> list[dict]:
+    """Two real workers save steps 1-4 through ``host``; the lines their own sinks wrote."""
+    job_dir = tmp_path / "job"
+    job_dir.mkdir(parents=True, exist_ok=True)
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(repo=str(REPO), ckpt_dir=str(tmp_path / "ckpt")))
+    env = {"DLROVER_HPC_JOB_DIR": str(job_dir), "DLROVER_HPC_NODE_NAME": "nodeA"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**_worker_env(host, r, world), **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    try:
+        assert [_read_json(p, "ready") for p in procs] == [4] * world
+    finally:
+        _kill(procs)
+    path = job_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_the_saver_writes_one_checkpoint_saved_per_node_and_step(tmp_path: Path) -> None:
+    """Issue 29: the ranks of a node report their saves to its saver, which writes one line
+    per step (not one per rank); a saver that does not, and the ranks write their own."""
+    for aggregated in (True, False):
+        job, sink = f"s{uuid.uuid4().hex[:10]}", ListEventSink()
+        host = SaverHost(
+            job_id=job,
+            node_name="nodeA",
+            socket_path=str(tmp_path / f"{aggregated}.sock"),
+            commit=LocalCommitCoordinator(),
+            events=ListEventSink(),
+            saved_events=sink if aggregated else None,
+        )
+        host.start()
+        try:
+            own = [
+                e
+                for e in _run_saves(tmp_path / str(aggregated), host, 2)
+                if e["event"] == "checkpoint_saved"
+            ]
+        finally:
+            host.close()
+            remove_job_segments(job)
+        lines = sink.named("checkpoint_saved") + own
+        if aggregated:
+            assert own == []  # no rank wrote its own
+            assert [(e["step"], e["ranks"]) for e in lines] == [(s, [0, 1]) for s in range(1, 5)]
+            assert [e["storage"] for e in lines] == ["memory", "disk", "memory", "memory"]
+            assert all(e["blocking_s"] >= e["blocking_median_s"] > 0 for e in lines)
+        else:
+            assert sorted((e["step"], e["rank"]) for e in lines) == [
+                (s, r) for s in range(1, 5) for r in range(2)
+            ]

@@ -16,6 +16,7 @@ import os
 import socket
 import stat
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,12 +26,14 @@ from dlrover_hpc.checkpoint.saver.persist_queue import Durability, SaverCore
 from dlrover_hpc.checkpoint.saver.recovery import persist_latest
 from dlrover_hpc.checkpoint.saver.replica_sender import ReplicaSender
 from dlrover_hpc.checkpoint.saver.replicas import replica_peers
+from dlrover_hpc.checkpoint.saver.save_events import FLUSH_S, SavedEvents
 from dlrover_hpc.checkpoint.saver.segments import list_segments, unlink_segments
 from dlrover_hpc.checkpoint.saver.worker_protocol import (
     VERSION,
     Hello,
     Ping,
     Replicate,
+    Report,
     Saved,
     Wait,
     decode_request,
@@ -57,7 +60,10 @@ class SaverHost:
         io_threads: int = 4,
         fault: FaultHook | None = None,
         replicas: ReplicaSender | None = None,
+        saved_events: EventSink | None = None,
     ) -> None:
+        """``saved_events``: where the node's ``checkpoint_saved`` lines go, one per step
+        (:mod:`save_events`; the job's events.jsonl); None: each worker writes its own."""
         if not job_id or not node_name:
             raise CheckpointError("SaverHost needs a non-empty job_id and node_name")
         self.job_id = job_id
@@ -78,6 +84,12 @@ class SaverHost:
         self._round_peers: tuple[int, int, dict[int, str]] = (-1, 0, {})
         self._peers: list[tuple[str, int]] = []  # the sender's, for the count last asked
         self._count = -1
+        self._ranks: dict[socket.socket, int] = {}  # connected workers (their hello)
+        self.saved = (
+            SavedEvents(saved_events.emit, expected=lambda: len(set(self._ranks.values())))
+            if saved_events is not None
+            else None
+        )
 
     # ------------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -99,6 +111,10 @@ class SaverHost:
         thread = threading.Thread(target=self._accept_loop, name="ckpt-saver-accept", daemon=True)
         thread.start()
         self._threads.append(thread)
+        if self.saved is not None:
+            flusher = threading.Thread(target=self._flush_loop, name="ckpt-saved", daemon=True)
+            flusher.start()
+            self._threads.append(flusher)
         logger.info(
             "checkpoint saver_started socket=%s prefix=%s shm_dir=%s",
             self.socket_path,
@@ -166,6 +182,8 @@ class SaverHost:
                 conn.shutdown(socket.SHUT_RDWR)
         for thread in self._threads:
             thread.join(timeout=5.0)
+        if self.saved is not None:
+            self.saved.flush(everything=True)
         if self.replicas is not None:
             self.replicas.close()
         if not self.core.close(timeout_s=timeout_s):
@@ -177,6 +195,13 @@ class SaverHost:
             logger.info("checkpoint segments_removed count=%d prefix=%s", len(removed), self.prefix)
 
     # ------------------------------------------------------------------------ serving
+    def _flush_loop(self) -> None:
+        """Writes the steps some rank never reported (it died before its save)."""
+        assert self.saved is not None
+        while not self._closed:
+            time.sleep(FLUSH_S / 5)
+            self.saved.flush()
+
     def _accept_loop(self) -> None:
         while True:
             listener = self._listener
@@ -211,6 +236,9 @@ class SaverHost:
                 if frame is None:
                     return
                 reply = self._handle(frame)
+                if frame.get("type") == "hello" and reply.get("ok"):
+                    with self._lock, contextlib.suppress(TypeError, ValueError, KeyError):
+                        self._ranks[conn] = int(frame["rank"])  # its saves are awaited
                 try:
                     send_frame(conn, reply)
                 except OSError:
@@ -218,6 +246,7 @@ class SaverHost:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._ranks.pop(conn, None)
             conn.close()
 
     def _handle(self, frame: dict[str, Any]) -> dict[str, Any]:
@@ -269,6 +298,18 @@ class SaverHost:
                 token=int(message.token),
             )
             return {"committed": done}
+        if isinstance(message, Report):
+            if self.saved is None:
+                raise CheckpointError("this saver writes no checkpoint_saved: write your own")
+            self.saved.report(
+                rank=message.rank,
+                step=message.step,
+                storage=message.storage,
+                blocking_s=message.blocking_s,
+                total_s=message.total_s,
+                local_world=message.local_world,
+            )
+            return {}
         if isinstance(message, Ping):
             return {}
         raise CheckpointError(f"unhandled request {type(message).__name__}")

@@ -8,6 +8,8 @@ on failure, `"error"`.  Types:
 - `saved` {segment (file name), step} -> {}: pin the segment and persist the step it holds
 - `replicate` {segment, step, count} -> {}: copy the segment to `count` peer nodes' memory
 - `wait` {ckpt_dir, step, rank, token} -> {committed}: until the step is committed or timeout_s
+- `report` {rank, step, storage, blocking_s, total_s, local_world} -> {}: a save's
+  `checkpoint_saved`, which the saver writes once per node and step (`save_events`)
 - `ping` {} -> {}
 """
 
@@ -99,6 +101,16 @@ class Wait:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Report:
+    rank: int
+    step: int
+    storage: str
+    blocking_s: float
+    total_s: float
+    local_world: int = 0  # the node's ranks: the saver waits for each one's report (0: unknown)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Ping:
     pass
 
@@ -108,6 +120,7 @@ MESSAGES: dict[str, type] = {
     "saved": Saved,
     "replicate": Replicate,
     "wait": Wait,
+    "report": Report,
     "ping": Ping,
 }
 

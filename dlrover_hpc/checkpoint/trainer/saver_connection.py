@@ -20,6 +20,7 @@ from dlrover_hpc.checkpoint.saver.worker_protocol import (
     MAX_TIMEOUT_S,
     Hello,
     Replicate,
+    Report,
     Saved,
     SaverClient,
     Wait,
@@ -70,6 +71,29 @@ class SocketLink:
     def replicate(self, segment_path: str, step: int, count: int) -> None:
         name = os.path.basename(segment_path)
         self._client.request(Replicate(segment=name, step=step, count=count))
+
+    def report(
+        self,
+        *,
+        rank: int,
+        step: int,
+        storage: str,
+        blocking_s: float,
+        total_s: float,
+        local_world: int = 0,
+    ) -> None:
+        """A save's ``checkpoint_saved``, for the saver's one line per node and step; raises
+        CheckpointError when the saver does not write them (an older agent)."""
+        self._client.request(
+            Report(
+                rank=rank,
+                step=step,
+                storage=storage,
+                blocking_s=blocking_s,
+                total_s=total_s,
+                local_world=local_world,
+            )
+        )
 
     def wait_committed(
         self, ckpt_dir: str, step: int, timeout_s: float, rank: int, token: int
