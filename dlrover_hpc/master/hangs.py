@@ -384,9 +384,7 @@ class HangWatch:
             if not _still_slow(checks, now):
                 del self._slow_checks[rank]  # the episode ended: its window starts again
         for rank, found in slow.items():
-            checks = self._slow_checks.setdefault(
-                rank, collections.deque([(now, True)], maxlen=64)
-            )
+            checks = self._slow_checks.setdefault(rank, collections.deque([(now, True)], maxlen=64))
             since = checks[0][0]
             if now - since < STRAGGLER_WINDOW_S or rank in self._reported:
                 continue
