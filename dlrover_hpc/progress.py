@@ -118,14 +118,8 @@ class _Reporter:
     def write(
         self, step: int, forward_s: float, compute_s: float = 0.0, wait_s: float = 0.0
     ) -> None:
-        path = os.environ.get(PATH_ENV, "")
-        if not path:
+        if not self._opened():  # progress must never break training
             return
-        if path != self.path or os.getpid() != self._pid:  # first call, or a forked child
-            try:
-                self._open(path)
-            except OSError:
-                return  # progress must never break training
         now = self.clock()
         if step == self.step + 1 and self._last_at:
             self._steps_seen += 1
@@ -163,14 +157,8 @@ class _Reporter:
         return [name for _, name, _, _ in self._sections]
 
     def _write_section(self) -> None:
-        path = os.environ.get(PATH_ENV, "")
-        if not path or self._forked:
+        if self._forked or not self._opened():
             return
-        if path != self.path or os.getpid() != self._pid:
-            try:
-                self._open(path)
-            except OSError:
-                return
         if self._sections:
             _, name, since, bound = self._sections[-1]
             data = _SECTION.pack(name.encode()[: _SECTION.size - 16], since, bound)
@@ -180,14 +168,8 @@ class _Reporter:
             os.pwrite(self.fd, data, _SECTION_AT)
 
     def stop(self) -> StopNotice | None:
-        path = os.environ.get(PATH_ENV, "")
-        if not path:
+        if not self._opened():
             return None
-        if path != self.path or os.getpid() != self._pid:
-            try:
-                self._open(path)
-            except OSError:
-                return None
         try:
             data = os.pread(self.fd, _STOP.size, _STOP_AT)
         except OSError:
@@ -203,16 +185,23 @@ class _Reporter:
                 os.pwrite(self.fd, _STOPPED.pack(step + 1), _STOPPED_AT)
 
     def saved(self, step: int) -> None:
-        path = os.environ.get(PATH_ENV, "")
-        if not path or self._forked:
+        if self._forked or not self._opened():
             return
+        with contextlib.suppress(OSError):  # progress must never break training
+            os.pwrite(self.fd, _SAVED.pack(step + 1), _SAVED_AT)
+
+    def _opened(self) -> bool:
+        """The record is open in this process: opened on the first call, and again in a forked
+        child; False outside dlrover-run or when it cannot be opened."""
+        path = os.environ.get(PATH_ENV, "")
+        if not path:
+            return False
         if path != self.path or os.getpid() != self._pid:
             try:
                 self._open(path)
             except OSError:
-                return
-        with contextlib.suppress(OSError):  # progress must never break training
-            os.pwrite(self.fd, _SAVED.pack(step + 1), _SAVED_AT)
+                return False
+        return True
 
     def _open(self, path: str) -> None:
         if self.fd >= 0 and self._pid == os.getpid():
