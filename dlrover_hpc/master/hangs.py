@@ -48,9 +48,15 @@ from dlrover_hpc.protocol import messages as m
 log = logging.getLogger(__name__)
 
 COLLECT_TIMEOUT_S = 15.0
-#: Fail-slow: a rank is a straggler once it stood out in every check for this long, each
-#: check comparing the medians of the steps reported in the last :data:`SAMPLE_WINDOW_S`.
+#: Fail-slow: a rank is a straggler once it stood out in the checks for this long, each
+#: check comparing the medians of the steps reported in the last :data:`SAMPLE_WINDOW_S` ...
 STRAGGLER_WINDOW_S = 20.0
+#: ... when it is barely past the threshold.  Stronger evidence needs less time: a rank (or a
+#: link) whose median ratio over the episode's checks is k times the threshold is reported
+#: after ``STRAGGLER_WINDOW_S / k``, at least this (a node at a quarter speed, ~3.5x its peers,
+#: was found 20 s after its first slow check; every one of those seconds is a quarter step
+#: for every rank of the job).  See :func:`evidence_window`.
+MIN_WINDOW_S = 8.0
 #: ... in this share of the checks of that window, not every one: a throttled rank's medians
 #: are noisy (a check that misses it must not start the window again; in a soak one did, and
 #: a node at a quarter speed went 88 s unreported).
@@ -226,11 +232,23 @@ def stragglers(timings: dict[int, tuple[float, float]], factor: float) -> dict[i
     return out
 
 
-def _still_slow(checks: Sequence[tuple[float, bool]], now: float) -> bool:
-    """A straggler episode goes on (``checks``: each check's time and whether it found the rank
-    slow, from the first that did): at least :data:`SLOW_SHARE` of the checks of the last
-    :data:`STRAGGLER_WINDOW_S` found it, once there are four; never two misses in a row."""
-    recent = [was for at, was in checks if now - at <= STRAGGLER_WINDOW_S]
+def evidence_window(ratios: Sequence[float], threshold: float) -> float:
+    """How long an episode must last before it is reported: :data:`STRAGGLER_WINDOW_S` over
+    how far the median of its checks' ratios is past ``threshold`` (a ratio is the rank's
+    compute, or the node's round trip, over its peers'), at least :data:`MIN_WINDOW_S`.  The
+    median, not the newest or the largest: one noisy check must not shorten it."""
+    if not ratios or threshold <= 0:
+        return STRAGGLER_WINDOW_S
+    strength = statistics.median(ratios) / threshold
+    return max(MIN_WINDOW_S, STRAGGLER_WINDOW_S / max(1.0, strength))
+
+
+def _still_slow(checks: Sequence[tuple[float, float]], now: float) -> bool:
+    """A straggler episode goes on (``checks``: each check's time and the ratio it found, 0
+    when it did not find the rank slow, from the first that did): at least
+    :data:`SLOW_SHARE` of the checks of the last :data:`STRAGGLER_WINDOW_S` found it, once
+    there are four; never two misses in a row."""
+    recent = [ratio > 0 for at, ratio in checks if now - at <= STRAGGLER_WINDOW_S]
     if len(recent) >= 2 and not recent[-1] and not recent[-2]:
         return False
     return len(recent) < 4 or sum(recent) >= SLOW_SHARE * len(recent)
@@ -260,15 +278,17 @@ class HangWatch:
         self._ids = itertools.count(1)
         self._waiting: dict[int, tuple[set[str], list[m.RankStackRow], asyncio.Event]] = {}
         self.hangs_by_node: dict[str, int] = {}
-        #: rank -> (check time, found slow) of the checks since it was first found slow
-        self._slow_checks: dict[int, collections.deque[tuple[float, bool]]] = {}
+        #: rank -> (check time, the ratio found; 0: not slow) of the checks since it was first
+        #: found slow
+        self._slow_checks: dict[int, collections.deque[tuple[float, float]]] = {}
         self._samples: dict[int, collections.deque[tuple[float, float, float]]] = {}
         self._rtts: dict[str, collections.deque[tuple[float, float]]] = {}  # node -> (at, rtt)
         #: master clock of the round's first report; 0: none yet; None: its warm-up is measured
         self._round_began: float | None = 0.0
         self._stragglers_checked = -math.inf
         self.longest_warmup_s = 0.0  # from a round's first report to every rank's p99
-        self._link_since: dict[str, float] = {}
+        #: node -> when its link was first found slow, and the ratio of each check since
+        self._link_since: dict[str, tuple[float, collections.deque[float]]] = {}
         self._reported_links: set[str] = set()
         self._reported: set[int] = set()  # stragglers reported in this round
         #: rank -> the node it was swapped out of for being slow: slow again on another node,
@@ -380,13 +400,16 @@ class HangWatch:
                 )
         slow = stragglers(timings, self.straggler_factor)
         for rank, checks in list(self._slow_checks.items()):
-            checks.append((now, rank in slow))
+            checks.append((now, slow[rank].ratio if rank in slow else 0.0))
             if not _still_slow(checks, now):
                 del self._slow_checks[rank]  # the episode ended: its window starts again
         for rank, found in slow.items():
-            checks = self._slow_checks.setdefault(rank, collections.deque([(now, True)], maxlen=64))
+            checks = self._slow_checks.setdefault(
+                rank, collections.deque([(now, found.ratio)], maxlen=64)
+            )
             since = checks[0][0]
-            if now - since < STRAGGLER_WINDOW_S or rank in self._reported:
+            window = evidence_window([r for _, r in checks if r > 0], self.straggler_factor)
+            if now - since < window or rank in self._reported:
                 continue
             self._reported.add(rank)
             seen = self._seen.get(rank)
@@ -446,8 +469,9 @@ class HangWatch:
             if node not in slow:
                 del self._link_since[node]
         for node, found in slow.items():
-            since = self._link_since.setdefault(node, now)
-            if now - since < STRAGGLER_WINDOW_S or node in self._reported_links:
+            since, ratios = self._link_since.setdefault(node, (now, collections.deque(maxlen=64)))
+            ratios.append(found.ratio)
+            if now - since < evidence_window(ratios, LINK_FACTOR) or node in self._reported_links:
                 continue
             self._reported_links.add(node)
             ranks = sorted(r for r, s in self._seen.items() if s.node == node)

@@ -326,8 +326,9 @@ def test_a_sustained_straggler_is_reported_and_swapped_at_the_next_commit(tmp_pa
         assert h.job.can_replace
         started = h.clock.now
         found = _sustained_straggler(h, watch, agents)
-        # a few samples to fill the window, then the 20 s it must last
-        assert hangs.STRAGGLER_WINDOW_S <= h.clock.now - started <= hangs.STRAGGLER_WINDOW_S + 5
+        # a few samples to fill the window, then the time it must last: 5x its peers is 2.5x
+        # the factor, strong evidence, so the shortest window (20 s / 2.5 = 8 s)
+        assert hangs.MIN_WINDOW_S <= h.clock.now - started <= hangs.MIN_WINDOW_S + 5
         assert [(e["node"], e["rank"], e["ratio"]) for e in found] == [
             ("n3", 4, 5.0),
             ("n3", 5, 5.0),
@@ -458,6 +459,8 @@ def test_a_sustained_slow_link_is_reported_with_its_round_trips(tmp_path: Path) 
         [e] = found
         assert e["node"] == "n3" and e["cause"] == "link" and e["rank"] == 4, e
         assert e["rtt_s"] == 0.2 and e["peers_rtt_s"] == 0.0011 and e["action"] == "reported"
+        # ~180x its peers' round trip: strong evidence, the shortest window
+        assert hangs.MIN_WINDOW_S <= e["slow_for_s"] <= hangs.MIN_WINDOW_S + 1
         assert e["evidence"] == {
             "n1": {"rtt_s": 0.001},
             "n2": {"rtt_s": 0.0012},
@@ -570,5 +573,55 @@ def test_a_round_that_can_wait_for_a_node_does_not_take_a_benched_one(tmp_path: 
 def test_a_straggler_episode_survives_a_missed_check_but_not_half_of_them(
     pattern: str, goes_on: bool
 ) -> None:
-    checks = [(2.0 * i, c == "S") for i, c in enumerate(pattern)]
+    checks = [(2.0 * i, 3.0 if c == "S" else 0.0) for i, c in enumerate(pattern)]
     assert hangs._still_slow(checks, now=checks[-1][0]) is goes_on
+
+
+def test_stronger_evidence_needs_a_shorter_window_and_one_spike_does_not_shorten_it() -> None:
+    assert hangs.evidence_window([2.1, 2.2, 2.0], 2.0) == pytest.approx(20.0 / 1.05)
+    assert hangs.evidence_window([3.5, 3.4, 3.6], 2.0) == pytest.approx(20.0 / 1.75)  # ~11.4 s
+    assert hangs.evidence_window([7.0, 9.0, 8.0], 2.0) == hangs.MIN_WINDOW_S  # 20/4: the floor
+    assert hangs.evidence_window([48.0] * 5, hangs.LINK_FACTOR) == hangs.MIN_WINDOW_S
+    # one wild check among ratios barely past the factor: the median, not the spike
+    assert hangs.evidence_window([2.1, 40.0, 2.1, 2.2], 2.0) == pytest.approx(20.0 / 1.075)
+    assert hangs.evidence_window([], 2.0) == hangs.STRAGGLER_WINDOW_S
+    assert hangs.evidence_window([1.0], 0.0) == hangs.STRAGGLER_WINDOW_S
+
+
+def test_a_rank_barely_past_the_factor_must_stay_slow_for_nearly_the_whole_window(
+    tmp_path: Path,
+) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3")
+        agents = h.start("n1", "n2", "n3")
+        watch = _watch(h, tmp_path)
+        watch.straggler_factor = 2.0
+        timings = ((0.1, 0.12), (0.1, 0.12), (0.22, 0.0))  # n3 2.2x its peers
+        step, first_slow, found, deadline = 0, None, [], h.clock.now + 200
+        while h.clock.now < deadline and not found:
+            step += 1
+            for agent, (compute, wait) in zip(agents, timings, strict=True):
+                progress = [
+                    m.RankProgress(
+                        rank=r,
+                        step=step,
+                        stalled_s=0.0,
+                        at=1000.0 + step,
+                        compute_s=compute,
+                        wait_s=wait,
+                    )
+                    for r in _ranks(h, agent)
+                ]
+                watch.heartbeat(h.job.nodes[agent].node, progress)
+            watch.check()
+            if first_slow is None and watch._slow_checks:
+                first_slow = h.clock.now
+            found = h.events("straggler_detected")
+            h.clock.now += 1.0
+        assert found and first_slow is not None
+        assert found[0]["ratio"] == 2.2
+        waited = h.clock.now - 1.0 - first_slow
+        assert hangs.evidence_window([2.2], 2.0) <= waited <= hangs.evidence_window([2.2], 2.0) + 2
+        assert waited > 2 * hangs.MIN_WINDOW_S
+
+    run(body)
