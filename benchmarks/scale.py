@@ -177,6 +177,7 @@ class SimAgent:
             elif isinstance(msg, m.StopAt):
                 self.stop_at = time.time()
             elif isinstance(msg, m.DumpStacks):
+                got = time.time()
                 rows = [
                     m.RankStackRow(
                         rank=self.rank_offset + r,
@@ -202,6 +203,7 @@ class SimAgent:
                     m.Ack,
                     timeout_s=60,
                 )
+                self.fleet.stacks.append((got, time.time()))
 
     def start_heartbeats(self) -> None:
         self._tasks.append(asyncio.create_task(self.heartbeats()))
@@ -264,6 +266,7 @@ class Fleet:
         self.recording = False
         self.unanswered = 0
         self.events: JsonlEventSink | None = None
+        self.stacks: list[tuple[float, float]] = []  # DumpStacks heard, its answer acked
 
     async def command(self, cmd: str, arg: Any) -> Any:
         live = [a for a in self.agents if not a.lost]
@@ -316,6 +319,8 @@ class Fleet:
                     await fresh.join(port, token, asyncio.Semaphore(1), wait=False)
                     fresh.start_heartbeats()
             return None
+        if cmd == "stacks":
+            return self.stacks
         if cmd == "rounds":
             return {a.index: a.round for a in live}
         if cmd == "echo":  # the baseline: the same round trips to a bare echo server
@@ -522,6 +527,11 @@ def run_one(n: int, procs: int, steady_s: float, profile: Path | None = None) ->
             t_stacks = time.monotonic()
             asyncio.run(_tool(port, token, m.StacksRequest(), m.StacksReply))
             out["stacks_s"] = round(time.monotonic() - t_stacks, 3)
+            answers = [a for f in fleets.all("stacks") for a in f]
+            if answers:  # where the time went: the push reaching every agent, their answers
+                sent = time.time() - out["stacks_s"]
+                out["stacks_push_s"] = round(max(g for g, _ in answers) - sent, 3)
+                out["stacks_answers_s"] = round(max(a for _, a in answers) - sent, 3)
 
             # every node's checkpoint part (8 ranks each) for one step
             world = (n - 1) * RANKS_PER_NODE
