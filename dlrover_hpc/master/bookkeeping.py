@@ -57,12 +57,26 @@ class JournaledCommits(CommitCounter):
     def __init__(self, journal: Journal | None) -> None:
         super().__init__()
         self._journal = journal
+        #: step path -> its newest committed step: parts of it, or of an older step, never
+        #: count again, so a compacted journal drops them
+        self._newest: dict[str, int] = {}
+        if journal is not None:
+            journal.keep_part = self.still_counting
+
+    def still_counting(self, part: Sequence[Any]) -> bool:
+        """A journaled part (path, step, ranks, world size) of a step that may still commit."""
+        path, step = part[0], part[1]
+        return step > self._newest.get(path, -1)
 
     def replay(self, parts: Sequence[Sequence[Any]]) -> None:
         for path, step, ranks, world_size in parts:
-            super().part_durable(step=step, ranks=ranks, world_size=world_size, path=path)
+            if super().part_durable(step=step, ranks=ranks, world_size=world_size, path=path):
+                self._newest[path] = max(step, self._newest.get(path, -1))
 
     def part_durable(self, *, step: int, ranks: Sequence[int], world_size: int, path: str) -> bool:
+        committed = super().part_durable(step=step, ranks=ranks, world_size=world_size, path=path)
+        if committed:
+            self._newest[path] = max(step, self._newest.get(path, -1))
         if self._journal is not None:
             self._journal.append(sync=False, ckpt_part=[path, step, list(ranks), world_size])
-        return super().part_durable(step=step, ranks=ranks, world_size=world_size, path=path)
+        return committed

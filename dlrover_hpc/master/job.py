@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 Push = Callable[[str, m.Message], None]
 
 
+#: A forming round's decision that took longer than this (thousands of waiting nodes) lets
+#: COALESCE_FACTOR times its own time of joins come in before the next, at most COALESCE_MAX_S.
+COALESCE_ABOVE_S, COALESCE_FACTOR, COALESCE_MAX_S = 0.002, 4.0, 0.25
+
+
 class Job:
     def __init__(
         self,
@@ -472,9 +477,17 @@ class Job:
         """Re-evaluate on every change and on timers until the job finishes."""
         while not self.finished.is_set():
             self._changed.clear()
+            forming = self.phase in FORMING
+            began = time.perf_counter()
             wake_at = self.step()
+            took = time.perf_counter() - began
             timeout = 1.0 if wake_at is None else max(0.0, min(1.0, wake_at - self.clock()))
             # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
                     await self._changed.wait()
+            if forming and took > COALESCE_ABOVE_S:
+                # Agents join by the thousand: each join pokes, and a forming round's decision
+                # passes over every waiting node.  Let the joins of a few decisions' time come
+                # in first, so decisions take a fifth of the loop, not all of it.
+                await asyncio.sleep(min(COALESCE_MAX_S, COALESCE_FACTOR * took))

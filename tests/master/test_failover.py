@@ -13,6 +13,7 @@ import pytest
 
 from dlrover_hpc.config import DrainMode, MasterConfig, NodeRange, RequeueBy
 from dlrover_hpc.master import failover
+from dlrover_hpc.master.bookkeeping import JournaledCommits
 from dlrover_hpc.master.journal import Journal
 from dlrover_hpc.master.nodes import NodeState
 from dlrover_hpc.master.phases import Phase
@@ -254,3 +255,84 @@ def test_a_master_restarted_on_torn_last_lines_seals_them_and_loses_nothing(
         assert any(e["event"] == "job_started" and e.get("resumed_round") == 1 for e in events)
 
     run(body)
+
+
+# ------------------------------------------------------------------ journal compaction
+def _parts(commits: JournaledCommits, step: int, nodes: int, of: int = 0) -> None:
+    """``nodes`` nodes' parts (two ranks each) of ``step``, of ``of`` nodes (all, by default)."""
+    for node in range(nodes):
+        commits.part_durable(
+            step=step, ranks=[2 * node, 2 * node + 1], world_size=2 * (of or nodes), path="/ckpt"
+        )
+
+
+def test_a_compacted_journal_reads_as_the_journal_it_replaced(tmp_path: Path) -> None:
+    path = tmp_path / "journal.jsonl"
+    journal = Journal(path, compact_bytes=1 << 30)  # by hand first
+    commits = JournaledCommits(journal)
+    members = [{"agent_id": f"n{i}-1", "node": f"n{i}", "rank": i} for i in range(64)]
+    for rnd in (1, 2, 3):
+        journal.append(round=rnd, restart_count=rnd - 1, members=members[: 60 + rnd])
+        _parts(commits, 100 * rnd, 63)  # committed
+        _parts(commits, 100 * rnd + 50, 5, of=63)  # 5 of 63 nodes: still counting
+    journal.append(excluded_nodes=["n7"])
+    before = journal.load()
+    lines = len(path.read_bytes().splitlines())
+    assert journal.compact()
+    assert len(path.read_bytes().splitlines()) == 1 < lines
+    after = journal.load()
+    # the same state, less the parts of committed steps; time is the snapshot's
+    assert {k: v for k, v in after.items() if k != "time"} == {
+        k: v for k, v in before.items() if k != "time"
+    } | {"ckpt_parts": [p for p in before["ckpt_parts"] if p[1] == 350]}
+    assert [p[1] for p in after["ckpt_parts"]] == [350] * 5
+    # a restarted master counts on where the old one stopped: the other 58 parts commit 350
+    again = JournaledCommits(Journal(path))
+    again.replay(after["ckpt_parts"])
+    for node in range(5, 62):
+        assert not again.part_durable(
+            step=350, ranks=[2 * node, 2 * node + 1], world_size=126, path="/ckpt"
+        )
+    assert again.part_durable(step=350, ranks=[124, 125], world_size=126, path="/ckpt")
+    # records after a snapshot still win over it
+    journal.append(restart_count=9)
+    assert journal.load()["restart_count"] == 9 and journal.load()["round"] == 3
+
+
+def test_the_journal_compacts_itself_and_stays_bounded(tmp_path: Path) -> None:
+    path = tmp_path / "journal.jsonl"
+    journal = Journal(path, compact_bytes=64 << 10)
+    commits = JournaledCommits(journal)
+    members = [{"agent_id": f"n{i}-1", "node": f"n{i}", "rank": i} for i in range(256)]
+    sizes = []
+    for rnd in range(1, 41):  # 40 rounds, each with 4 committed checkpoints of 256 nodes
+        journal.append(round=rnd, restart_count=rnd, members=members)
+        for k in range(4):
+            _parts(commits, 1000 * rnd + k, 256)
+        sizes.append(path.stat().st_size)
+    # ~2 MB written in all; the snapshot (the members) is ~10 KB: the journal stays under
+    # its bound, twice the snapshot + 64 KiB
+    assert max(sizes) < 2 * (16 << 10) + (64 << 10)
+    state = journal.load()
+    assert state["round"] == 40 and state["restart_count"] == 40
+    assert len(state["members"]) == 256
+    # the parts since the last snapshot only (all of committed steps)
+    assert 0 < len(state["ckpt_parts"]) < 4 * 256
+    assert not (tmp_path / "journal.jsonl.compacting").exists()
+
+
+def test_a_journal_that_grew_during_compaction_is_left_whole(tmp_path: Path) -> None:
+    path = tmp_path / "journal.jsonl"
+    journal = Journal(path, compact_bytes=1 << 30)
+    journal.append(round=1, restart_count=0, members=[])
+    real_load = journal.load
+
+    def load_while_another_master_appends() -> dict:
+        state = real_load()
+        Journal(path).append(round=2, restart_count=1, members=[])  # the master that took over
+        return state
+
+    journal.load = load_while_another_master_appends  # type: ignore[method-assign]
+    assert not journal.compact()
+    assert Journal(path).load()["round"] == 2
+    assert not (tmp_path / "journal.jsonl.compacting").exists()

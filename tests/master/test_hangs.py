@@ -8,6 +8,8 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 from dlrover_hpc.diagnosis import stacks as st
 from dlrover_hpc.master import decisions as d
@@ -625,3 +627,38 @@ def test_a_rank_barely_past_the_factor_must_stay_slow_for_nearly_the_whole_windo
         assert waited > 2 * hangs.MIN_WINDOW_S
 
     run(body)
+
+
+_progress = hs.builds(
+    m.RankProgress,
+    rank=hs.integers(0, 7),
+    step=hs.integers(0, 100),
+    stalled_s=hs.floats(0, 2000),
+    p99_s=hs.sampled_from([0.0, 0.1, 5.0, 40.0]),
+    section=hs.sampled_from(["", "", "eval", "checkpoint", "mine"]),
+    section_s=hs.floats(0, 3000),
+    section_bound_s=hs.sampled_from([0.0, 0.0, 3.0, 90.0]),
+    stopped_s=hs.sampled_from([0.0] * 8 + [2.0, 9.0]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    ranks=hs.lists(hs.tuples(_progress, hs.floats(0, 100)), min_size=1, max_size=6),
+    timeout_s=hs.sampled_from([AUTO, AUTO, 45.0]),
+    warmup_s=hs.sampled_from([600.0, 120.0]),
+    ending=hs.booleans(),
+)
+def test_one_rank_clearly_progressing_rules_out_a_hang(
+    ranks: list[tuple[m.RankProgress, float]], timeout_s: float, warmup_s: float, ending: bool
+) -> None:
+    # the watch's shortcut (no pass over 32,768 ranks at every tick) must never hide a hang;
+    # the watch takes it only while no rank is stopped (one stopped rank is a hang at once)
+    now = 100.0
+    seen = [(p, now - age) for p, age in ranks]
+    found = hangs.hung_ranks(seen, now=now, timeout_s=timeout_s, warmup_s=warmup_s, ending=ending)
+    if any(p.stopped_s > 0 for p, _ in ranks):
+        return
+    for p, age in ranks:
+        if hangs.clearly_progressing(p, age, timeout_s=timeout_s, warmup_s=warmup_s):
+            assert found is None, (p, age)

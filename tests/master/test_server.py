@@ -67,6 +67,33 @@ def test_frame_round_trip_and_bad_frames() -> None:
         )
 
 
+def test_a_heartbeats_progress_rows_are_checked_field_by_field() -> None:
+    row = m.RankProgress(rank=3, step=7, stalled_s=0.5, at=1e9, saved_step=5)
+    beat = m.Heartbeat(agent_id="n1-1", round=2, progress=[row, row], rtt_s=0.001)
+    frame = wire.decode(wire.encode(m.to_frame(beat, frame_id=9))[4:])
+    assert m.from_frame(frame) == beat
+    good = frame.body["progress"][0]
+
+    def with_row(**change: object) -> wire.Frame:
+        bad = {k: v for k, v in {**good, **change}.items() if v is not ...}
+        return wire.Frame(type="heartbeat", body={**frame.body, "progress": [good, bad]})
+
+    for change in (
+        {"step": "7"},  # a string for an int
+        {"step": True},  # a bool is no int
+        {"stalled_s": None},
+        {"rank": 3.5},  # a float for an int
+        {"section": 5},
+        {"evil": 1},  # a field the row does not have
+        {"step": ...},  # a field missing
+    ):
+        with pytest.raises(ProtocolError, match=r"heartbeat\.progress: .* does not match"):
+            m.from_frame(with_row(**change))
+    assert m.from_frame(with_row(stalled_s=1)).progress[1].stalled_s == 1  # an int for a float
+    with pytest.raises(ProtocolError, match=r"heartbeat\.progress"):
+        m.from_frame(wire.Frame(type="heartbeat", body={**frame.body, "progress": good}))
+
+
 def test_client_with_wrong_token_is_refused_and_logged(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from dlrover_hpc.master import steps
 from dlrover_hpc.master.steps import StepLog
 from dlrover_hpc.protocol.messages import RankProgress
 
@@ -62,3 +65,39 @@ def test_the_rate_is_known_early_in_a_round_from_its_reports() -> None:
     assert log.step_rate() == 0.0  # half a second: not yet
     log.report(node="n1", round=1, world_size=1, progress=[_p(0, 20, 102.0)])
     assert log.step_rate() == 10.0
+
+
+def _lockstep(log: StepLog, seconds: float) -> None:
+    """64 nodes of 8 ranks, a step every 0.05 s, each node reporting every step."""
+    log.report(node="n0", round=1, world_size=1, progress=[_p(0, 0, 99.0)])  # opens round 1
+    for step in range(int(seconds / 0.05)):
+        at = 100.0 + 0.05 * step
+        for node in range(64):
+            ranks = [_p(8 * node + r, step, at) for r in range(8)]
+            log.report(node=f"n{node}", round=1, world_size=512, progress=ranks)
+
+
+def test_the_slowest_rank_is_looked_for_twice_a_second_of_steps_not_at_every_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a pass over the 512 ranks at every report would be 64 a step (12,800 here)
+    class CountingRanks(dict):
+        looks = 0
+
+        def values(self):  # type: ignore[no-untyped-def]
+            CountingRanks.looks += 1
+            return super().values()
+
+    sink = Sink()
+    log = StepLog(sink, every_s=5.0)
+    log.report(node="n0", round=1, world_size=1, progress=[_p(0, 0, 99.0)])
+    log._ranks = CountingRanks()
+    _lockstep(log, 10.0)
+    assert CountingRanks.looks <= 10 / steps.EVAL_EVERY_S + 2
+    # the same events as a look at every report, but for up to EVAL_EVERY_S of steps (10)
+    monkeypatch.setattr(steps, "EVAL_EVERY_S", 0.0)
+    every = Sink()
+    _lockstep(StepLog(every, every_s=5.0), 10.0)
+    assert len(sink.events) == len(every.events) == 3
+    for gated, exact in zip(sink.events, every.events, strict=True):
+        assert 0 <= gated["step"] - exact["step"] <= 10
