@@ -47,6 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from dlrover_hpc.checkpoint.event_sinks import JsonlEventSink  # noqa: E402
+from dlrover_hpc.errors import ProtocolError  # noqa: E402
 from dlrover_hpc.events import EventName  # noqa: E402
 from dlrover_hpc.master.journal import Journal  # noqa: E402
 from dlrover_hpc.master.resume import restore  # noqa: E402
@@ -110,9 +111,14 @@ class SimAgent:
 
     async def _next_round(self) -> None:
         assert self.client is not None
-        a = await self.client.request(
-            m.WaitRound(agent_id=self.agent_id, after_round=self.round), m.Assignment, timeout_s=600
-        )
+        try:
+            a = await self.client.request(
+                m.WaitRound(agent_id=self.agent_id, after_round=self.round),
+                m.Assignment,
+                timeout_s=600,
+            )
+        except ProtocolError:  # "request superseded": a newer WaitRound of ours took over
+            return
         if a.status is not m.NodeStatus.ACTIVE:
             self.round = a.round
             return

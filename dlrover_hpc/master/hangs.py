@@ -392,10 +392,22 @@ class HangWatch:
         self._new_round()
         now = job.clock()
         world = sum(n.nproc for n in job.participants())
-        ready = self.timeout_s and len(self._seen) >= world > 0
-        if ready and self._round_began and all(s.progress.p99_s > 0 for s in self._seen.values()):
+        complete = len(self._seen) >= world > 0
+        ready = self.timeout_s and complete
+        if (
+            complete
+            and self._round_began
+            and all(s.progress.p99_s > 0 for s in self._seen.values())
+        ):
             self.longest_warmup_s = max(self.longest_warmup_s, now - self._round_began)
             self._round_began = None  # measured once per round
+            # Fail-slow evidence starts now: while the workers start, an agent busy spawning
+            # them answers its heartbeats late, and the first steps are uneven (a CI run saw
+            # a "slow link" 3 s after its workers started, from round trips of their start).
+            self._samples.clear()
+            self._slow_checks.clear()
+            self._rtts.clear()
+            self._link_since.clear()
         warmup_s = warmup_bound(self.longest_warmup_s)
         bound = None
         if ready and not self._progressing(now, warmup_s):
@@ -410,7 +422,8 @@ class HangWatch:
             self._busy = True
             self._task = asyncio.get_running_loop().create_task(self._hang(bound))
             return
-        if self.straggler_factor and now - self._stragglers_checked >= STRAGGLER_CHECK_S:
+        warmed = self._round_began is None
+        if self.straggler_factor and warmed and now - self._stragglers_checked >= STRAGGLER_CHECK_S:
             self._stragglers_checked = now
             self._check_stragglers(now)
         self._swap_if_saved()

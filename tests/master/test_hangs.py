@@ -301,6 +301,7 @@ def _timed_beat(
                 compute_s=compute,
                 wait_s=wait,
                 saved_step=last_saved,
+                p99_s=0.6,  # past its warm-up: fail-slow evidence counts
             )
             for rank in _ranks(h, agent)
         ]
@@ -453,7 +454,10 @@ def test_a_sustained_slow_link_is_reported_with_its_round_trips(tmp_path: Path) 
         deadline, found = h.clock.now + 120, []
         while h.clock.now < deadline and not found:
             for agent, rtt in zip(agents, (0.001, 0.0012, 0.2), strict=True):
-                progress = [m.RankProgress(rank=r, step=1, stalled_s=0.0) for r in _ranks(h, agent)]
+                progress = [
+                    m.RankProgress(rank=r, step=1, stalled_s=0.0, p99_s=0.6)
+                    for r in _ranks(h, agent)
+                ]
                 watch.heartbeat(h.job.nodes[agent].node, progress, rtt_s=rtt)
             watch.check()
             found = h.events("straggler_detected")
@@ -611,6 +615,7 @@ def test_a_rank_barely_past_the_factor_must_stay_slow_for_nearly_the_whole_windo
                         at=1000.0 + step,
                         compute_s=compute,
                         wait_s=wait,
+                        p99_s=0.6,
                     )
                     for r in _ranks(h, agent)
                 ]
@@ -662,3 +667,34 @@ def test_one_rank_clearly_progressing_rules_out_a_hang(
     for p, age in ranks:
         if hangs.clearly_progressing(p, age, timeout_s=timeout_s, warmup_s=warmup_s):
             assert found is None, (p, age)
+
+
+def test_round_trips_from_the_workers_start_are_no_evidence_of_a_slow_link(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="3:3")
+        agents = h.start("n1", "n2", "n3")
+        watch = _watch(h, tmp_path)
+        watch.straggler_factor = 2.0
+
+        def beats(seconds: float, *, p99: float, slow_rtt: float) -> list[dict]:
+            end = h.clock.now + seconds
+            while h.clock.now < end:
+                for agent, rtt in zip(agents, (0.001, 0.0012, slow_rtt), strict=True):
+                    progress = [
+                        m.RankProgress(rank=r, step=1, stalled_s=0.0, p99_s=p99)
+                        for r in _ranks(h, agent)
+                    ]
+                    watch.heartbeat(h.job.nodes[agent].node, progress, rtt_s=rtt)
+                watch.check()
+                h.clock.now += 1.0
+            return h.events("straggler_detected")
+
+        # n3's agent is busy starting its workers: its heartbeats come back late
+        assert beats(30.0, p99=0.0, slow_rtt=0.2) == []
+        # the workers are past their warm-up and n3 answers as fast as the others
+        assert beats(30.0, p99=0.6, slow_rtt=0.0011) == []
+        # a link that is slow in the steady state is still found
+        [e] = beats(30.0, p99=0.6, slow_rtt=0.2)
+        assert e["node"] == "n3" and e["cause"] == "link"
+
+    run(body)
