@@ -109,13 +109,25 @@ def typed(value: Any, hint: Any) -> Any:
         (item,) = typing.get_args(hint)
         if isinstance(item, type) and dataclasses.is_dataclass(item):
             row = hints(item)
-            if not any(_converts(h) for h in row.values()):  # plain fields: as they are
+            if _plain_row(item):  # plain fields: as they are
                 return [v if isinstance(v, item) else item(**v) for v in value]
             return [
                 v if isinstance(v, item) else item(**{k: typed(x, row[k]) for k, x in v.items()})
                 for v in value
             ]
     return value
+
+
+_PLAIN: dict[type, bool] = {}
+
+
+def _plain_row(cls: type) -> bool:
+    """No field of the row class ``cls`` is converted by :func:`typed` (cached: asked for
+    every heartbeat)."""
+    found = _PLAIN.get(cls)
+    if found is None:
+        found = _PLAIN[cls] = not any(_converts(h) for h in hints(cls).values())
+    return found
 
 
 def _converts(hint: Any) -> bool:
