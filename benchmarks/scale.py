@@ -469,6 +469,14 @@ def _start_master(n: int, job_dir: str, token: str) -> tuple[subprocess.Popen[by
     return master, json.loads(info.read_text())["port"]
 
 
+def _stop_master(master: subprocess.Popen[bytes]) -> None:
+    master.terminate()
+    try:
+        master.wait(30)
+    except subprocess.TimeoutExpired:
+        master.kill()
+
+
 async def _tool(port: int, token: str, msg: m.Message, reply: type[m.Message]) -> m.Message:
     client = await MasterClient.connect("127.0.0.1", port, token=token, timeout_s=60)
     try:
@@ -553,11 +561,7 @@ def run_one(n: int, procs: int, steady_s: float, profile: Path | None = None) ->
             out["master_cpu_s_total"] = round(sum(proc.cpu_times()[:2]), 2)
         finally:
             fleets.close()
-            master.terminate()
-            try:
-                master.wait(30)
-            except subprocess.TimeoutExpired:
-                master.kill()
+            _stop_master(master)
             if spy is not None:
                 spy.wait(60)
         out["baseline_echo_p99_ms"] = _echo_baseline(n, procs)
@@ -625,11 +629,7 @@ def run_long(n: int, procs: int, hours: int, compress: float) -> dict[str, Any]:
             out["master_cpu_s"] = round(sum(proc.cpu_times()[:2]), 1)
         finally:
             fleets.close()
-            master.terminate()
-            try:
-                master.wait(30)
-            except subprocess.TimeoutExpired:
-                master.kill()
+            _stop_master(master)
         out["hourly"] = hourly
         first, last = hourly[0]["master_rss_mb"], hourly[-1]["master_rss_mb"]
         out["rss_growth_after_hour_1"] = round(last / first - 1, 3)
