@@ -16,9 +16,9 @@ node dead) ends every worker of the job and starts new processes: a new interpre
     train(args)
 
 When the agent says a new round is coming, the wrapper makes the function leave the round:
-it aborts NCCL's communicators and shuts down the TCP connections the function opened
-(gloo's peers, the round's store), so a collective that waits on a lost peer fails at once
-instead of after its timeout.  The function's exception ends the attempt; the wrapper tears
+it aborts NCCL's communicators and shuts the read side of the TCP connections the function
+opened (gloo's peers, the round's store), so a collective that waits on a lost peer fails at
+once instead of after its timeout.  The function's exception ends the attempt; the wrapper tears
 the process group down, tells the agent it has left, waits for the new round, takes its
 environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
 ``TORCHELASTIC_RESTART_COUNT``, ...) and calls the function again in the same process.  The
@@ -72,7 +72,9 @@ WAIT_ENV = "DLROVER_HPC_INPROCESS_WAIT_S"
 DEFAULT_WAIT_S = 60.0
 ROUND_ENV = "DLROVER_HPC_ROUND"
 NCCL_ERRORS_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-_TCP_LISTEN = "0A"  # the state column of /proc/net/tcp
+#: after the first sweep, how often the watch shuts the attempt's connections again until the
+#: function has raised (a connection it missed or opened meanwhile)
+SWEEP_S = 0.25
 
 _restarts = 0
 
@@ -161,7 +163,11 @@ class _Watch(threading.Thread):
                 self.notice = notice
                 self.leave()
                 self._noticed.set()
-                return
+                break
+        # Until the function has raised (stop()), sweep again: a collective can go on waiting
+        # on a connection the first sweep did not shut (opened meanwhile, or one more).
+        while not self._stopped.wait(SWEEP_S):
+            _shut_connections(self._before)
 
     def wait(self, timeout_s: float) -> membership.Notice | None:
         self._noticed.wait(timeout_s)
@@ -174,7 +180,10 @@ class _Watch(threading.Thread):
                 _leave_collectives(self._before)
 
     def stop(self) -> None:
+        """No more sweeps: back from here, no socket of the next attempt is touched."""
         self._stopped.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join()
 
 
 def _leave_collectives(before: dict[int, int]) -> None:
@@ -186,6 +195,16 @@ def _leave_collectives(before: dict[int, int]) -> None:
                 abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
                 if abort is not None:
                     abort()
+    _shut_connections(before)
+
+
+def _shut_connections(before: dict[int, int]) -> None:
+    """Shut the read side of each TCP connection opened since ``before``: every read gloo
+    (or the store's client) makes after it sees an end of stream, so the pair fails and the
+    collective raises "Connection closed by peer".  Not the write side: gloo parks a send that
+    fails with EPIPE in its transmit queue and, when the pair fails, does not wake the
+    collective waiting on that send (it waited for gloo's 30-minute timeout in 2 of some 120
+    changes here)."""
     for fd, inode in _tcp_sockets().items():
         if before.get(fd) == inode:
             continue  # the script's own, from before this attempt
@@ -194,27 +213,35 @@ def _leave_collectives(before: dict[int, int]) -> None:
         except OSError:
             continue  # closed meanwhile
         with sock, contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)  # the socket, not only this descriptor
+            sock.shutdown(socket.SHUT_RD)  # the socket, not only this descriptor
 
 
 def _tcp_sockets() -> dict[int, int]:
-    """This process's connected TCP sockets: descriptor -> socket inode.  Not a listening
-    socket: gloo's listener ends the process (std::terminate) when its accept fails."""
-    inodes: set[int] = set()
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as f:
-            next(f, None)
-            for line in f:
-                fields = line.split()
-                if len(fields) > 9 and fields[3] != _TCP_LISTEN:
-                    inodes.add(int(fields[9]))
+    """This process's TCP sockets other than listeners: descriptor -> socket inode.  Not a
+    listening socket: gloo's listener ends the process (std::terminate) when its accept
+    fails.  Each descriptor is asked itself (no walk of the host's whole TCP table, which can
+    be long and is not read atomically)."""
     found = {}
     for name in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             continue
-        if target.startswith("socket:[") and int(target[8:-1]) in inodes:
+        if not target.startswith("socket:["):
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue  # closed meanwhile
+        with sock:
+            try:
+                tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and (
+                    sock.type == socket.SOCK_STREAM
+                )
+                listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            except OSError:
+                continue
+        if tcp and not listening:
             found[int(name)] = int(target[8:-1])
     return found
 
