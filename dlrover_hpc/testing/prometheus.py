@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import urllib.error
 import urllib.parse
@@ -38,6 +37,7 @@ import psutil
 
 from dlrover_hpc.errors import DlroverHpcError
 from dlrover_hpc.testing.commands import apt_install
+from dlrover_hpc.testing.ports import free_port
 from dlrover_hpc.testing.wait import wait_for
 
 log = logging.getLogger(__name__)
@@ -103,13 +103,6 @@ def _stop_strays(pids: set[int]) -> None:
         with contextlib.suppress(psutil.Error):
             p.kill()
     psutil.wait_procs(alive, timeout=10)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that nothing listens on now (it may be taken before it is used)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _duration(seconds: float) -> str:

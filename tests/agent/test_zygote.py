@@ -20,7 +20,7 @@ from dlrover_hpc.agent.zygote import Zygote
 from dlrover_hpc.netcheck.launch import run_probe_subprocess
 from dlrover_hpc.netcheck.result import ProbeResult
 from dlrover_hpc.testing import wait_for
-from dlrover_hpc.testing.prometheus import free_port
+from dlrover_hpc.testing.ports import free_port
 
 SCRIPT = """
 import json, os, sys, time

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import textwrap
 import uuid
@@ -15,6 +14,7 @@ import pytest
 from warm_python import WarmPython
 
 from dlrover_hpc.checkpoint.testing import remove_job_segments
+from dlrover_hpc.testing.ports import free_port
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -106,12 +106,6 @@ sys.exit(_finish(out))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _has_numpy() -> bool:
     return importlib.util.find_spec("numpy") is not None
 
@@ -135,7 +129,7 @@ def test_two_ranks_agree_on_memory_or_storage(
     script = tmp_path / "rank.py"
     text = RANK_SCRIPT.format(repo=str(REPO), root=str(tmp_path), with_dcp=with_dcp)
     script.write_text(textwrap.dedent(text))
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(2):
         env = {
@@ -184,7 +178,7 @@ def test_example_resumes_from_memory_after_a_worker_is_killed(
     ckpt_dir, result = tmp_path / "ckpt", tmp_path / "result.json"
 
     def launch(restart: int) -> list[int]:  # exit codes; rank 0 may abort (-6) on a broken PG
-        port = str(_free_port())
+        port = str(free_port())
         procs = []
         for rank in range(2):
             env = {

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import textwrap
 import uuid
@@ -30,6 +29,7 @@ from dlrover_hpc.checkpoint.testing import (
     job_segments,
     remove_job_segments,
 )
+from dlrover_hpc.testing.ports import free_port
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -167,12 +167,6 @@ with open(root + f"/out{{proc}}.json", "w") as f:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def restored(
     tmp_path_factory: pytest.TempPathFactory, warm_python: WarmPython
@@ -181,7 +175,7 @@ def restored(
     pytest.importorskip("numpy", reason="multi-rank torch.distributed.checkpoint needs numpy")
     root = tmp_path_factory.mktemp("membership")
     job = f"m{uuid.uuid4().hex[:10]}"
-    ports = [_free_port() for _ in range(6)]
+    ports = [free_port() for _ in range(6)]
     script = root / "worker.py"
     script.write_text(
         textwrap.dedent(SCRIPT.format(repo=str(REPO), root=str(root), job=job, ports=ports))

@@ -17,7 +17,6 @@ import dataclasses
 import itertools
 import json
 import os
-import socket
 import subprocess
 import textwrap
 import uuid
@@ -34,6 +33,7 @@ from dlrover_hpc.checkpoint.trainer.restore_agreement import (
     Source,
     plan_restore,
 )
+from dlrover_hpc.testing.ports import free_port
 
 pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[2]
@@ -279,12 +279,6 @@ finish()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_two_ranks(
     tmp_path: Path, warm_python: WarmPython, body: str, *, own_nodes: bool
 ) -> list[list[list[object]]]:
@@ -294,7 +288,7 @@ def _run_two_ranks(
     script = tmp_path / "rank.py"
     text = PREAMBLE.format(repo=str(REPO), root=str(tmp_path)) + body.format()
     script.write_text(textwrap.dedent(text))
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(2):
         env = {

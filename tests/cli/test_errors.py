@@ -19,6 +19,7 @@ import pytest
 
 from dlrover_hpc.cli.logsetup import exit_code_of
 from dlrover_hpc.testing import wait_for
+from dlrover_hpc.testing.ports import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,13 +55,6 @@ def one_line_error(proc: subprocess.CompletedProcess[str], code: int, *parts: st
     for part in parts:
         assert part in lines[0], (part, lines[0])
     return lines[0]
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def dead_pid() -> int:

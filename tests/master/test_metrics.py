@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -21,12 +20,7 @@ from dlrover_hpc.master.phases import Phase
 from dlrover_hpc.master.stores import TorchStores
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.testing import wait_for
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from dlrover_hpc.testing.ports import free_port
 
 
 def _job(tmp: Path, events: EventLog, clock: list[float]) -> tuple[Job, AgentHandlers]:
@@ -78,7 +72,7 @@ def test_metrics_follow_the_job_and_its_log_over_http(tmp_path: Path) -> None:
         events.emit(EventName.CHECKPOINT_PERSISTED, step=40, persist_s=2.5, committed=True)
         events.emit(EventName.WORKER_FAILED, node="n2", rank=1, classification="software")
         job.restart_count = 1
-        port = _free_port()
+        port = free_port()
         stop = metrics.serve(
             metrics.JobCollector(job, observer, agents.steps), host="127.0.0.1", port=port
         )

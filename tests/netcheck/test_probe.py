@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import stat
 import subprocess
 import sys
@@ -18,18 +17,13 @@ import pytest
 from dlrover_hpc.netcheck.launch import run_probe_subprocess
 from dlrover_hpc.netcheck.model import NetcheckError
 from dlrover_hpc.netcheck.result import ProbeResult
+from dlrover_hpc.testing.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
 TINY_PAYLOAD_BYTES = 4096  # tiny tensors keep the test fast
 TINY_MATMUL = 32
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def probe_group(size: int, *, timeout_s: float) -> list[ProbeResult]:

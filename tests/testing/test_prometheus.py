@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
-from dlrover_hpc.testing.prometheus import Prometheus, PrometheusError, free_port
+from dlrover_hpc.testing.ports import free_port
+from dlrover_hpc.testing.prometheus import Prometheus, PrometheusError
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 and not shutil.which("prometheus"),
