@@ -1,0 +1,238 @@
+"""Launchers side by side on the local Slurm, same job, same faults, in one run (issue 26).
+
+Each launcher runs a 3-node job (``--nnodes=2:3``, one gloo worker per node, 0.1 s steps) on
+the local Slurm, one after the other, and each meets the same faults at the same times after
+its first step: a worker SIGKILLed on the third node, then the second node killed outright
+(every process in its namespaces; it stays down).  The first node hosts the rendezvous of
+torchrun and ft_launcher and dlrover-hpc's master, so it is spared.
+
+- ``dlrover-run``: ``sbatch/train.sbatch`` with ``examples/train.py`` unchanged (a disk
+  checkpoint every 5 steps);
+- ``dlrover-run --inprocess``: the same sbatch with ``examples/train_flash_ckpt.py
+  --inprocess`` (flash checkpoint every 5 steps, survivors kept in-process);
+- ``torchrun``: ``srun torchrun --rdzv-backend=c10d`` with ``examples/train.py``;
+- ``ft_launcher``: NVIDIA's nvidia-resiliency-ext launcher, torchrun's flags, same script;
+- ``torchft``: not a launcher but a library the script is written against, so it runs
+  ``benchmarks/peers/train_torchft.py`` (the same model and steps; a replica group per node
+  under a standalone torchrun, a lighthouse on the first node, no checkpoint: a restarted
+  replica heals from a live one).
+
+Per fault: the stall (from the fault until rank 0 logs a step past the one it had reached)
+and the steps done again; per launcher: whether the job reached its last step, and goodput
+(steps x ideal step time / wall from the first step to the last; the ideal step is the median
+step interval of the same run).  A launcher that has not gone past a fault 150 s after it
+stalled is counted as not recovering.
+
+Needs root (the local Slurm) and ``bash benchmarks/peers_venv.sh`` first.  Prints one JSON
+line.
+
+    python benchmarks/side_by_side.py [--launchers dlrover-run,torchrun,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from dlrover_hpc.testing import LocalSlurm, LocalSlurmConfig  # noqa: E402
+from dlrover_hpc.testing.slurm_net import netns_pids  # noqa: E402
+
+PEERS = REPO / ".venv-peers" / "bin"
+NODES = ("node1", "node2", "node3")
+STEP_S = 0.1
+STEPS = 900  # ~100 s of training with no fault
+FAULTS = (("worker_kill", "node3", 20.0), ("node_crash", "node2", 50.0))
+GIVE_UP_S = 150.0
+LAUNCHERS = ("dlrover-run", "dlrover-run --inprocess", "torchrun", "ft_launcher", "torchft")
+PEER_SBATCH = """#!/bin/bash
+head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+srun --kill-on-bad-exit=0 --ntasks-per-node=1 "$LAUNCHER" --nnodes=2:3 --nproc-per-node=1 \\
+    --rdzv-backend=c10d --rdzv-endpoint="$head:29400" --rdzv-id="$SLURM_JOB_ID" \\
+    --max-restarts=5 "$@"
+"""
+# torchft: a lighthouse beside the batch script (the first node), a replica group per node,
+# each under a standalone torchrun that restarts it; flags as torchft's Slurm example has them.
+TORCHFT_SBATCH = """#!/bin/bash
+head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+torchft_lighthouse --min_replicas 2 --quorum_tick_ms 100 --join_timeout_ms 10000 &
+export TORCHFT_LIGHTHOUSE="http://$head:29510"
+srun --kill-on-bad-exit=0 --ntasks-per-node=1 bash -c \
+    'REPLICA_GROUP_ID=$SLURM_NODEID exec torchrun --standalone --nnodes=1 --nproc-per-node=1 \
+     --max-restarts=5 "$@"' torchft "$@"
+"""
+
+
+def _state(job: str) -> str:
+    out = subprocess.run(
+        ["scontrol", "-o", "show", "job", job], capture_output=True, text=True, timeout=10
+    ).stdout
+    for word in out.split():
+        if word.startswith("JobState="):
+            return word.split("=", 1)[1]
+    return "UNKNOWN"
+
+
+def _log(timing: Path) -> list[tuple[float, int]]:
+    if not timing.exists():
+        return []
+    rows = []
+    for line in timing.read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 2:
+            rows.append((float(parts[0]), int(parts[1])))
+    return rows
+
+
+def _worker_pid(cluster: LocalSlurm, node: str, script: str) -> int | None:
+    """A training process of the node: its command line runs the script, and it is no
+    launcher, agent or shell."""
+    launchers = ("torchrun", "ft_launcher", "dlrover-run", "srun", "bash", "zygote")
+    for pid in netns_pids(cluster.config, node):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        text = " ".join(argv)
+        if script in text and not any(word in text for word in launchers):
+            return pid
+    return None
+
+
+def _submit(launcher: str, work: Path, timing: Path) -> tuple[str, str]:
+    """Submit the job; (job id, the training script's name)."""
+    env = dict(os.environ)
+    for k in ("DLROVER_HPC_TOKEN", "DLROVER_HPC_MASTER"):
+        env.pop(k, None)
+    inprocess = launcher.endswith("--inprocess")
+    name = "train_flash_ckpt.py" if inprocess else "train.py"
+    script = REPO / "examples" / name
+    common = [f"--steps={STEPS}", f"--step-time={STEP_S}", f"--timing-log={timing}"]
+    (work / "ckpt").mkdir()
+    if inprocess:
+        args = [*common, f"--ckpt-dir={work / 'ckpt'}", "--save-every=5", "--persist-every=50"]
+        args.append("--inprocess")
+    elif launcher == "torchft":
+        script = REPO / "benchmarks" / "peers" / "train_torchft.py"
+        args = common  # no checkpoint: a restarted replica heals from a live one
+    else:
+        args = [*common, f"--ckpt-dir={work / 'ckpt'}", "--ckpt-every=5"]
+    if launcher.startswith("dlrover-run"):
+        env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+        batch = [str(REPO / "sbatch" / "train.sbatch"), "--nnodes=2:3", "--nproc-per-node=1"]
+        batch += ["--max-restarts=5", str(script)]
+    else:
+        env["PATH"] = f"{PEERS}:{env.get('PATH', '')}"
+        env["LAUNCHER"] = str(PEERS / launcher)
+        job_script = work / "peer.sbatch"
+        job_script.write_text(TORCHFT_SBATCH if launcher == "torchft" else PEER_SBATCH)
+        batch = [str(job_script), str(script)]
+    argv = ["sbatch", "--parsable", f"-N{len(NODES)}", "-o", str(work / "slurm-%j.out")]
+    job = subprocess.run(
+        [*argv, *batch, *args], cwd=work, env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    return job, script.name
+
+
+def _one(cluster: LocalSlurm, launcher: str) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="side-", dir="/tmp"))
+    os.chmod(work, 0o1777)
+    timing = work / "timing.log"
+    job, script = _submit(launcher, work, timing)
+    deadline = time.time() + 180
+    while not _log(timing):
+        if time.time() > deadline or _state(job) not in ("PENDING", "RUNNING"):
+            subprocess.run(["scancel", job], timeout=10, check=False)
+            return {"launcher": launcher, "started": False, "job_state": _state(job)}
+        time.sleep(0.2)
+    began = _log(timing)[0][0]
+    hits: list[dict] = []
+    for kind, node, at in FAULTS:
+        while time.time() < began + at:
+            time.sleep(0.05)
+        if kind == "worker_kill":
+            pid = _worker_pid(cluster, node, script)
+            if pid is not None:
+                os.kill(pid, 9)
+            hits.append({"kind": kind, "node": node, "at": time.time(), "pid": pid})
+        else:
+            cluster.kill_node(node)
+            hits.append({"kind": kind, "node": node, "at": time.time()})
+    deadline = time.time() + GIVE_UP_S + STEPS * STEP_S
+    while _state(job) in ("PENDING", "RUNNING", "COMPLETING") and time.time() < deadline:
+        rows = _log(timing)
+        if rows and rows[-1][1] >= STEPS:
+            break
+        if rows and time.time() - rows[-1][0] > GIVE_UP_S:
+            break  # stalled for good
+        time.sleep(0.5)
+    subprocess.run(["scancel", job], timeout=10, check=False)
+    rows = _log(timing)
+    return {"launcher": launcher, "job": job, **_analyse(rows, hits), "work": str(work)}
+
+
+def _analyse(rows: list[tuple[float, int]], hits: list[dict]) -> dict:
+    intervals = [b[0] - a[0] for a, b in itertools.pairwise(rows) if b[1] == a[1] + 1]
+    ideal = statistics.median(intervals) if intervals else STEP_S
+    faults = []
+    for hit in hits:
+        before = [s for t, s in rows if t <= hit["at"]]
+        reached = max(before) if before else 0
+        after = [(t, s) for t, s in rows if t > hit["at"]]
+        resumed = next((t for t, s in after if s > reached), None)
+        first = after[0][1] if after else None
+        faults.append(
+            {
+                "kind": hit["kind"],
+                "stall_s": round(resumed - hit["at"], 2) if resumed is not None else None,
+                "redone_steps": max(0, reached - first + 1) if first is not None else None,
+            }
+        )
+    last = max((s for _, s in rows), default=0)
+    wall = rows[-1][0] - rows[0][0] if len(rows) > 1 else 0.0
+    distinct = len({s for _, s in rows})
+    return {
+        "completed": last >= STEPS,
+        "last_step": last,
+        "ideal_step_s": round(ideal, 4),
+        "goodput": round(distinct * ideal / wall, 3) if wall and last >= STEPS else None,
+        "faults": faults,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--launchers", default=",".join(LAUNCHERS))
+    args = p.parse_args()
+    launchers = args.launchers.split(",")
+    if any(not launcher.startswith("dlrover-run") for launcher in launchers):
+        peers = ("torchrun", "ft_launcher", "torchft_lighthouse")
+        missing = [n for n in peers if not (PEERS / n).exists()]
+        if missing:
+            sys.exit(f"{PEERS}: no {', '.join(missing)}; run: bash benchmarks/peers_venv.sh")
+    cluster = LocalSlurm(LocalSlurmConfig(nodes=len(NODES)))
+    state = cluster._load_state() or {}
+    if cluster.is_up() and state.get("nodes") != cluster.config.node_names():
+        LocalSlurm().down()
+    runs = []
+    for launcher in launchers:
+        cluster.up()  # each launcher on a whole cluster (the last one lost a node)
+        try:
+            runs.append(_one(cluster, launcher))
+        finally:
+            cluster.down()
+    print(json.dumps({"bench": "side_by_side", "faults": [f[0] for f in FAULTS], "runs": runs}))
+
+
+if __name__ == "__main__":
+    main()
