@@ -56,18 +56,21 @@ FAULTS = (("worker_kill", "node3", 20.0), ("node_crash", "node2", 50.0))
 GIVE_UP_S = 150.0
 LAUNCHERS = ("dlrover-run", "dlrover-run --inprocess", "torchrun", "ft_launcher", "torchft")
 PEER_SBATCH = """#!/bin/bash
+#SBATCH --no-kill
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-srun --kill-on-bad-exit=0 --ntasks-per-node=1 "$LAUNCHER" --nnodes=2:3 --nproc-per-node=1 \\
-    --rdzv-backend=c10d --rdzv-endpoint="$head:29400" --rdzv-id="$SLURM_JOB_ID" \\
+srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 \\
+    "$LAUNCHER" --nnodes=2:3 --nproc-per-node=1 --rdzv-backend=c10d \\
+    --rdzv-endpoint="$head:29400" --rdzv-id="$SLURM_JOB_ID" \\
     --max-restarts=5 "$@"
 """
 # torchft: a lighthouse beside the batch script (the first node), a replica group per node,
 # each under a standalone torchrun that restarts it; flags as torchft's Slurm example has them.
 TORCHFT_SBATCH = """#!/bin/bash
+#SBATCH --no-kill
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 torchft_lighthouse --min_replicas 2 --quorum_tick_ms 100 --join_timeout_ms 10000 &
 export TORCHFT_LIGHTHOUSE="http://$head:29510"
-srun --kill-on-bad-exit=0 --ntasks-per-node=1 bash -c \
+srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 bash -c \
     'REPLICA_GROUP_ID=$SLURM_NODEID exec torchrun --standalone --nnodes=1 --nproc-per-node=1 \
      --max-restarts=5 "$@"' torchft "$@"
 """
@@ -181,23 +184,32 @@ def _one(cluster: LocalSlurm, launcher: str) -> dict:
     return {"launcher": launcher, "job": job, **_analyse(rows, hits), "work": str(work)}
 
 
+def _stall(rows: list[tuple[float, int]], hit: dict, ideal: float) -> dict:
+    """The fault's disruption: the first logged step after it that goes back (a restart from
+    a checkpoint) or comes after a gap of over 3 ideal steps (a pause, a change in-process).
+    The stall runs from the fault to the first step past the one reached before the
+    disruption; steps from the disruption up to that one were done again.  None: it never
+    went past; no disruption within 30 s: the fault cost nothing visible (0)."""
+    after = [i for i, (t, _) in enumerate(rows) if t > hit["at"]]
+    out = {"kind": hit["kind"], "node": hit["node"], "pid": hit.get("pid")}
+    for i in after:
+        t, step = rows[i]
+        if t > hit["at"] + 30:
+            break
+        prev_t, prev_step = rows[i - 1] if i else (hit["at"], step - 1)
+        if step <= prev_step or t - prev_t > 3 * ideal:
+            resumed = next((t2 for t2, s2 in rows[i:] if s2 > prev_step), None)
+            stall = round(resumed - hit["at"], 2) if resumed is not None else None
+            return {**out, "stall_s": stall, "redone_steps": max(0, prev_step - step + 1)}
+    if after and rows[-1][0] > hit["at"] + 30:
+        return {**out, "stall_s": 0.0, "redone_steps": 0}
+    return {**out, "stall_s": None, "redone_steps": None}  # the log ends in the window
+
+
 def _analyse(rows: list[tuple[float, int]], hits: list[dict]) -> dict:
     intervals = [b[0] - a[0] for a, b in itertools.pairwise(rows) if b[1] == a[1] + 1]
     ideal = statistics.median(intervals) if intervals else STEP_S
-    faults = []
-    for hit in hits:
-        before = [s for t, s in rows if t <= hit["at"]]
-        reached = max(before) if before else 0
-        after = [(t, s) for t, s in rows if t > hit["at"]]
-        resumed = next((t for t, s in after if s > reached), None)
-        first = after[0][1] if after else None
-        faults.append(
-            {
-                "kind": hit["kind"],
-                "stall_s": round(resumed - hit["at"], 2) if resumed is not None else None,
-                "redone_steps": max(0, reached - first + 1) if first is not None else None,
-            }
-        )
+    faults = [_stall(rows, hit, ideal) for hit in hits]
     last = max((s for _, s in rows), default=0)
     wall = rows[-1][0] - rows[0][0] if len(rows) > 1 else 0.0
     distinct = len({s for _, s in rows})
