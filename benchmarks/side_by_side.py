@@ -189,14 +189,15 @@ def _stall(rows: list[tuple[float, int]], hit: dict, ideal: float) -> dict:
     a checkpoint) or comes after a gap of over 3 ideal steps (a pause, a change in-process).
     The stall runs from the fault to the first step past the one reached before the
     disruption; steps from the disruption up to that one were done again.  None: it never
-    went past; no disruption within 30 s: the fault cost nothing visible (0)."""
+    went past; no disruption begun within 30 s: the fault cost nothing visible (0)."""
     after = [i for i, (t, _) in enumerate(rows) if t > hit["at"]]
     out = {"kind": hit["kind"], "node": hit["node"], "pid": hit.get("pid")}
+    out["at_s"] = round(hit["at"] - rows[0][0], 2) if rows else None
     for i in after:
         t, step = rows[i]
-        if t > hit["at"] + 30:
-            break
         prev_t, prev_step = rows[i - 1] if i else (hit["at"], step - 1)
+        if prev_t > hit["at"] + 30:
+            break
         if step <= prev_step or t - prev_t > 3 * ideal:
             resumed = next((t2 for t2, s2 in rows[i:] if s2 > prev_step), None)
             stall = round(resumed - hit["at"], 2) if resumed is not None else None
