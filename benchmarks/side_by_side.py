@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from dlrover_hpc.testing import LocalSlurm, LocalSlurmConfig  # noqa: E402
 from dlrover_hpc.testing.slurm_net import netns_pids  # noqa: E402
+from dlrover_hpc.testing.soak import job_state  # noqa: E402
 
 PEERS = REPO / ".venv-peers" / "bin"
 NODES = ("node1", "node2", "node3")
@@ -74,16 +75,6 @@ srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 bash -c \
     'REPLICA_GROUP_ID=$SLURM_NODEID exec torchrun --standalone --nnodes=1 --nproc-per-node=1 \
      --max-restarts=5 "$@"' torchft "$@"
 """
-
-
-def _state(job: str) -> str:
-    out = subprocess.run(
-        ["scontrol", "-o", "show", "job", job], capture_output=True, text=True, timeout=10
-    ).stdout
-    for word in out.split():
-        if word.startswith("JobState="):
-            return word.split("=", 1)[1]
-    return "UNKNOWN"
 
 
 def _log(timing: Path) -> list[tuple[float, int]]:
@@ -154,9 +145,9 @@ def _one(cluster: LocalSlurm, launcher: str) -> dict:
     job, script = _submit(launcher, work, timing)
     deadline = time.time() + 180
     while not _log(timing):
-        if time.time() > deadline or _state(job) not in ("PENDING", "RUNNING"):
+        if time.time() > deadline or job_state(job) not in ("PENDING", "RUNNING"):
             subprocess.run(["scancel", job], timeout=10, check=False)
-            return {"launcher": launcher, "started": False, "job_state": _state(job)}
+            return {"launcher": launcher, "started": False, "job_state": job_state(job)}
         time.sleep(0.2)
     began = _log(timing)[0][0]
     hits: list[dict] = []
@@ -172,7 +163,7 @@ def _one(cluster: LocalSlurm, launcher: str) -> dict:
             cluster.kill_node(node)
             hits.append({"kind": kind, "node": node, "at": time.time()})
     deadline = time.time() + GIVE_UP_S + STEPS * STEP_S
-    while _state(job) in ("PENDING", "RUNNING", "COMPLETING") and time.time() < deadline:
+    while job_state(job) in ("PENDING", "RUNNING", "COMPLETING") and time.time() < deadline:
         rows = _log(timing)
         if rows and rows[-1][1] >= STEPS:
             break

@@ -25,7 +25,7 @@ def _events(job_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _job_state(job: str) -> str:
+def job_state(job: str) -> str:
     out = subprocess.run(
         ["scontrol", "-o", "show", "job", job], capture_output=True, text=True, timeout=10
     ).stdout
@@ -87,8 +87,8 @@ def run_soak(
     faults = plan(seed, duration_s=duration_s, every_s=every_s, kinds=kinds)
     deadline = time.time() + 180
     while not (timing.exists() and timing.read_text().strip()):  # training started
-        if time.time() > deadline or _job_state(job) not in ("PENDING", "RUNNING"):
-            raise RuntimeError(f"job {job} did not start training: {_job_state(job)}")
+        if time.time() > deadline or job_state(job) not in ("PENDING", "RUNNING"):
+            raise RuntimeError(f"job {job} did not start training: {job_state(job)}")
         time.sleep(0.5)
     master_node = json.loads((job_dir / "master.json").read_text())["host"]
     chaos = Chaos(cluster, spared=frozenset({master_node}), heal_s=heal_s or {}, job_id=job)
@@ -98,7 +98,7 @@ def run_soak(
             while time.time() < started + fault.at_s:
                 chaos.heal_due()
                 time.sleep(0.2)
-            if _job_state(job) != "RUNNING":  # it ended (or failed) early: nothing to hit
+            if job_state(job) != "RUNNING":  # it ended (or failed) early: nothing to hit
                 break
             evs = _events(job_dir)
             rounds = [e for e in evs if e["event"] == "rendezvous_complete"]
@@ -116,7 +116,7 @@ def run_soak(
         chaos.heal_due(all_now=True)
     deadline = time.time() + duration_s + 600
     try:
-        while _job_state(job) in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED"):
+        while job_state(job) in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED"):
             if time.time() > deadline:
                 subprocess.run(["scancel", job], timeout=10, check=False)
                 break
@@ -127,7 +127,7 @@ def run_soak(
     report = analyze(_events(job_dir), [(float(t), int(s)) for t, s in lines], chaos.log).as_dict()
     report.update(
         job=job,
-        job_state=_job_state(job),
+        job_state=job_state(job),
         faults=[{"kind": f["kind"], "node": f["node"]} for f in chaos.log],
         max_stall_s=max(s["seconds"] for s in report["stalls"][1:]) if report["stalls"][1:] else 0,
         final_step=steps,
