@@ -18,13 +18,17 @@ node dead) ends every worker of the job and starts new processes: a new interpre
 When the agent says a new round is coming, the wrapper makes the function leave the round:
 it aborts NCCL's communicators and shuts the read side of the TCP connections the function
 opened (gloo's peers, the round's store), so a collective that waits on a lost peer fails at
-once instead of after its timeout.  The function's exception ends the attempt; the wrapper tears
-the process group down, tells the agent it has left, waits for the new round, takes its
-environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
-``TORCHELASTIC_RESTART_COUNT``, ...) and calls the function again in the same process.  The
-function restores as it does at any start: the flash checkpointer finds the newest step in
-the node's shared memory (a replaced rank gets its part from a peer), so the survivors pay
-for a restore from memory and a new process group, not for a new process.
+once instead of after its timeout.  It keeps those connections open (a duplicate of each)
+until the new round's word: a peer still inside the collective writes into a connection
+that is there, not one gloo closed when it failed, which would fail that write.
+
+The function's exception ends the attempt; the wrapper tears the process group down, tells
+the agent it has left, waits for the new round, takes its environment (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``, ...) and
+calls the function again in the same process.  The function restores as it does at any
+start: the flash checkpointer finds the newest step in the node's shared memory (a replaced
+rank gets its part from a peer), so the survivors pay for a restore from memory and a new
+process group, not for a new process.
 
 What stays as it was:
 
@@ -108,22 +112,30 @@ def _attempts(record: str, call: Callable[[], R]) -> R:
         watch = _Watch(record, base, before=_tcp_sockets())
         watch.start()
         try:
-            return call()
+            result = call()
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"
             if watch.notice is None and membership.PEER_LOST.search(text):
                 membership.report_broken(record, base, text)  # the agent tells the master
             notice = watch.wait(_wait_s())
             if notice is None:
+                watch.stop()
+                watch.release()
                 raise  # no round change explains it: fail as a worker always did
             _say(f"leaves round {base} ({type(exc).__name__}: {str(exc)[:200]})")
-        finally:
+        else:
             watch.stop()
+            watch.release()
+            return result
+        watch.stop()
         left_at = time.monotonic()
         watch.leave()  # what the function opened since the watch began, if not done yet
         _tear_down()
         membership.acknowledge_left(record, notice.round)
         joined = _await_join(record, base)
+        # Every survivor has left (the round formed after they did): the held connections
+        # may close now, before the next attempt opens its own.
+        watch.release()
         os.environ.update(joined.env)
         _restarts += 1
         _say(
@@ -154,6 +166,7 @@ class _Watch(threading.Thread):
         self._noticed = threading.Event()
         self._left = False
         self._lock = threading.Lock()
+        self._held: dict[int, socket.socket] = {}  # socket inode -> our duplicate of it
         self.notice: membership.Notice | None = None
 
     def run(self) -> None:
@@ -167,7 +180,7 @@ class _Watch(threading.Thread):
         # Until the function has raised (stop()), sweep again: a collective can go on waiting
         # on a connection the first sweep did not shut (opened meanwhile, or one more).
         while not self._stopped.wait(SWEEP_S):
-            _shut_connections(self._before)
+            _shut_connections(self._before, self._held)
 
     def wait(self, timeout_s: float) -> membership.Notice | None:
         self._noticed.wait(timeout_s)
@@ -177,7 +190,7 @@ class _Watch(threading.Thread):
         with self._lock:
             if not self._left:
                 self._left = True
-                _leave_collectives(self._before)
+                _leave_collectives(self._before, self._held)
 
     def stop(self) -> None:
         """No more sweeps: back from here, no socket of the next attempt is touched."""
@@ -185,8 +198,14 @@ class _Watch(threading.Thread):
         if self.is_alive() and threading.current_thread() is not self:
             self.join()
 
+    def release(self) -> None:
+        """Close the duplicates of the attempt's connections (after :meth:`stop`)."""
+        held, self._held = self._held, {}
+        for sock in held.values():
+            sock.close()
 
-def _leave_collectives(before: dict[int, int]) -> None:
+
+def _leave_collectives(before: dict[int, int], held: dict[int, socket.socket]) -> None:
     """Make every collective of the process group fail now: abort NCCL's communicators, shut
     down the TCP connections opened since ``before`` (gloo's pairs, the store's client)."""
     if dist.is_available() and dist.is_initialized():
@@ -195,25 +214,38 @@ def _leave_collectives(before: dict[int, int]) -> None:
                 abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
                 if abort is not None:
                     abort()
-    _shut_connections(before)
+    _shut_connections(before, held)
 
 
-def _shut_connections(before: dict[int, int]) -> None:
-    """Shut the read side of each TCP connection opened since ``before``: every read gloo
-    (or the store's client) makes after it sees an end of stream, so the pair fails and the
-    collective raises "Connection closed by peer".  Not the write side: gloo parks a send that
-    fails with EPIPE in its transmit queue and, when the pair fails, does not wake the
-    collective waiting on that send (it waited for gloo's 30-minute timeout in 2 of some 120
-    changes here)."""
+def _shut_connections(before: dict[int, int], held: dict[int, socket.socket]) -> None:
+    """Shut the read side of each TCP connection opened since ``before``, and keep a
+    duplicate of it in ``held``.
+
+    Every read gloo (or the store's client) makes after the shutdown sees an end of stream, so
+    the pair fails and the collective raises "Connection closed by peer".  No write may fail,
+    here or at a peer: gloo parks a send that fails (EPIPE, ECONNRESET) in its transmit queue
+    and, when the pair then fails, does not wake the collective waiting on that send, which
+    waits for gloo's 30-minute timeout.  So the write side stays open, and so does the whole
+    connection when gloo closes its descriptor on the failure: our duplicate keeps it, and a
+    peer's write into it is queued rather than answered with a reset.  Shutting both sides
+    hung 2 of some 120 changes here; the read side alone, with gloo closing, 1 change in a CI
+    run (a peer wrote as this side closed)."""
     for fd, inode in _tcp_sockets().items():
-        if before.get(fd) == inode:
-            continue  # the script's own, from before this attempt
+        if before.get(fd) == inode or inode in held:
+            continue  # the script's own, from before this attempt; or shut already
         try:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
             continue  # closed meanwhile
-        with sock, contextlib.suppress(OSError):
+        try:
+            if os.fstat(sock.fileno()).st_ino != inode:
+                sock.close()  # the descriptor was closed and reused meanwhile
+                continue
             sock.shutdown(socket.SHUT_RD)  # the socket, not only this descriptor
+        except OSError:
+            sock.close()
+            continue
+        held[inode] = sock
 
 
 def _tcp_sockets() -> dict[int, int]:
