@@ -36,6 +36,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -57,7 +58,8 @@ from dlrover_hpc.protocol.client import MasterClient  # noqa: E402
 from dlrover_hpc.report.analysis import analyze, read_events  # noqa: E402
 
 RANKS_PER_NODE = 8
-HEARTBEAT_S = 2.0  # the agents' default --heartbeat interval
+HEARTBEAT_S = 2.0  # the smallest heartbeat interval (the master tells the agents theirs)
+ECHO_ROUNDS = 4  # heartbeats per connection to the baseline's echo server
 STEP_S = 0.5  # the simulated job's step time
 #: Done-when of issue 29 on this 2-core machine.
 GOALS = {"rendezvous_s": {16384: 5.0}, "master_cpu_share": {4096: 0.15}, "p99_ms": {4096: 50.0}}
@@ -103,6 +105,7 @@ class SimAgent:
                 timeout_s=300,
             )
         self.agent_id = reply.agent_id
+        self.fleet.heartbeat_s = reply.heartbeat_interval_s
         self._tasks.append(asyncio.create_task(self._pushes()))
         if wait:
             await self._next_round()
@@ -153,7 +156,8 @@ class SimAgent:
 
     async def heartbeats(self) -> None:
         assert self.client is not None
-        await asyncio.sleep(random.uniform(0, HEARTBEAT_S))  # agents start at different times
+        every = self.fleet.heartbeat_s
+        await asyncio.sleep(random.uniform(0, every))  # agents start at different times
         rtt = 0.0
         while not self.lost:
             beat = m.Heartbeat(
@@ -172,7 +176,7 @@ class SimAgent:
             if self.fleet.recording:
                 self.fleet.rtts.append(rtt)
             self.round_over(reply.round)
-            await asyncio.sleep(max(0.0, HEARTBEAT_S - rtt))
+            await asyncio.sleep(max(0.0, every - rtt))
 
     async def _pushes(self) -> None:
         assert self.client is not None
@@ -267,6 +271,7 @@ class Fleet:
     def __init__(self, indices: list[int], t0: float) -> None:
         self.t0 = t0
         self.compress = 1.0  # simulated seconds per second (the long run)
+        self.heartbeat_s = HEARTBEAT_S  # as the master's join reply says
         self.agents = [SimAgent(i, self) for i in indices]
         self.rtts: list[float] = []
         self.recording = False
@@ -281,7 +286,11 @@ class Fleet:
             sem = asyncio.Semaphore(256)
             started = time.time()
             await asyncio.gather(*[a.join(port, token, sem) for a in self.agents])
-            return {"started": started, "done": max(a.assigned_at for a in self.agents)}
+            return {
+                "started": started,
+                "done": max(a.assigned_at for a in self.agents),
+                "heartbeat_s": self.heartbeat_s,
+            }
         if cmd == "heartbeats":
             for a in self.agents:
                 a.start_heartbeats()
@@ -330,12 +339,12 @@ class Fleet:
         if cmd == "rounds":
             return {a.index: a.round for a in live}
         if cmd == "echo":  # the baseline: the same round trips to a bare echo server
-            return await _echo_rtts(arg, len(self.agents))
+            return await _echo_rtts(*arg, len(self.agents))
         raise ValueError(cmd)
 
 
-async def _echo_rtts(port: int, n: int) -> list[float]:
-    """``n`` connections each sending a heartbeat-sized frame every 2 s for 3 rounds."""
+async def _echo_rtts(port: int, every: float, n: int) -> list[float]:
+    """``n`` connections each sending a heartbeat-sized frame every ``every`` s, 4 times."""
     sample = m.to_frame(
         m.Heartbeat(agent_id="node00000-1", round=1, progress=SimAgent(0, Fleet([], 0)).progress()),
         frame_id=1,
@@ -344,14 +353,14 @@ async def _echo_rtts(port: int, n: int) -> list[float]:
 
     async def one() -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        await asyncio.sleep(random.uniform(0, HEARTBEAT_S))
-        for _ in range(3):
+        await asyncio.sleep(random.uniform(0, every))
+        for _ in range(ECHO_ROUNDS):
             sent = time.monotonic()
             wire.write_frame(writer, sample)
             await writer.drain()
             await wire.read_frame(reader)
             rtts.append(time.monotonic() - sent)
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(every)
         writer.close()
 
     await asyncio.gather(*[one() for _ in range(n)])
@@ -517,7 +526,8 @@ def run_one(n: int, procs: int, steady_s: float, profile: Path | None = None) ->
                 max(j["done"] for j in joined) - min(j["started"] for j in joined), 3
             )
             fleets.all("heartbeats")
-            time.sleep(HEARTBEAT_S * 2)  # every agent's first beats are in
+            every = out["heartbeat_interval_s"] = joined[0]["heartbeat_s"]
+            time.sleep(every * 2)  # every agent's first beats are in
             fleets.all("record", True)
             cpu0, t0 = sum(proc.cpu_times()[:2]), time.monotonic()
             time.sleep(steady_s)
@@ -564,7 +574,12 @@ def run_one(n: int, procs: int, steady_s: float, profile: Path | None = None) ->
             _stop_master(master)
             if spy is not None:
                 spy.wait(60)
-        out["baseline_echo_p99_ms"] = _echo_baseline(n, procs)
+        out["baseline_echo_p99_ms"], out["baseline_echo_cpu_share"] = _echo_baseline(
+            n, procs, out["heartbeat_interval_s"]
+        )
+        out["cpu_ratio_to_echo"] = round(
+            out["master_cpu_share"] / max(out["baseline_echo_cpu_share"], 1e-3), 2
+        )
     out["p99_ratio_to_echo"] = round(out["p99_ms"] / out["baseline_echo_p99_ms"], 2)
     out["meets"] = {k: out[k] <= goal[n] for k, goal in GOALS.items() if n in goal and k in out}
     return out
@@ -653,7 +668,10 @@ def run_long(n: int, procs: int, hours: int, compress: float) -> dict[str, Any]:
     return out
 
 
-def _echo_baseline(n: int, procs: int) -> float:
+def _echo_baseline(n: int, procs: int, every: float) -> tuple[float, float]:
+    """The floor on this machine: p99 of heartbeat-sized round trips to a bare echo server on
+    the same transport and framing, and that server's CPU share while every connection sends
+    (sampled between the second and the last round, after the connections are made)."""
     server = subprocess.Popen(
         [sys.executable, "-c", _ECHO_SERVER],
         stdin=subprocess.PIPE,
@@ -663,12 +681,24 @@ def _echo_baseline(n: int, procs: int) -> float:
     try:
         assert server.stdout is not None
         port = int(server.stdout.readline())
+        proc = psutil.Process(server.pid)
         fleets = Fleets(n, procs)
+        samples: list[tuple[float, float]] = []
+
+        def sample() -> None:
+            samples.append((time.monotonic(), sum(proc.cpu_times()[:2])))
+
+        timers = [threading.Timer(at, sample) for at in (every * 1.5, every * ECHO_ROUNDS)]
+        for timer in timers:
+            timer.start()
         try:
-            rtts = [r for f in fleets.all("echo", port) for r in f]
+            rtts = [r for f in fleets.all("echo", (port, every)) for r in f]
         finally:
+            for timer in timers:
+                timer.join()
             fleets.close()
-        return round(1000 * _pct(rtts, 0.99), 2)
+        (t0, c0), (t1, c1) = samples
+        return round(1000 * _pct(rtts, 0.99), 2), round((c1 - c0) / (t1 - t0), 3)
     finally:
         server.communicate("", timeout=60)
 

@@ -196,6 +196,11 @@ def env_default(name: str, default: str | None, env: Mapping[str, str] | None = 
     return env.get("DLROVER_HPC_" + name.upper().replace("-", "_"), default)
 
 
+#: The most heartbeats a second the master is sent (see MasterConfig.heartbeat_every_s): each
+#: costs it ~0.25 ms of its one core (benchmarks/scale.py), so 512 a second are ~12 % of it.
+HEARTBEATS_PER_S = 512
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class MasterConfig:
     host: str = "0.0.0.0"
@@ -226,6 +231,20 @@ class MasterConfig:
     stop_lead_s: float = 90.0
     #: FRAMEWORK: no continuation, no stop ahead of the time limit, USR1 ignored
     requeue_by: RequeueBy = RequeueBy.DLROVER_HPC
+
+    @property
+    def heartbeat_every_s(self) -> float:
+        """The heartbeat interval the agents are told: ``heartbeat_interval_s``, longer for
+        a job so large that the master would answer more than :data:`HEARTBEATS_PER_S`
+        heartbeats a second (2 s up to 1,024 nodes; 8 s at 4,096).  Liveness does not wait
+        for heartbeats (a cut link fails after ``link_timeout_s``); they carry progress."""
+        return max(self.heartbeat_interval_s, self.nnodes.max / HEARTBEATS_PER_S)
+
+    @property
+    def heartbeat_silence_s(self) -> float:
+        """An agent with no heartbeat for this long is lost: ``heartbeat_timeout_s``, and
+        at least three of :attr:`heartbeat_every_s`."""
+        return max(self.heartbeat_timeout_s, 3 * self.heartbeat_every_s)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -112,7 +112,7 @@ class AgentHandlers:
         return m.JoinReply(
             agent_id=agent_id,
             job_id=self.job.config.job_id,
-            heartbeat_interval_s=self.job.config.heartbeat_interval_s,
+            heartbeat_interval_s=self.job.config.heartbeat_every_s,
             job_running=self.job.round > 0,
         )
 
@@ -319,7 +319,7 @@ class AgentHandlers:
             d.lost_agents(
                 list(self.job.nodes.values()),
                 now=self.job.clock(),
-                heartbeat_timeout_s=self.job.config.heartbeat_timeout_s,
+                heartbeat_timeout_s=self.job.config.heartbeat_silence_s,
             )
         )
 

@@ -105,7 +105,7 @@ class GracefulStop:
             # heartbeat old): ranks that read the notice after passing it stop later than the
             # others, whose exit then breaks their collectives. check() comes back.
             return
-        notice_s = 2 * self.job.config.heartbeat_interval_s + 1.0
+        notice_s = 2 * self.job.config.heartbeat_every_s + 1.0
         step = stop_step(max(self.steps.newest, seen), rate, notice_s)
         self.plan = dataclasses.replace(self.plan, step=step)
         self.sent, self._sent_round = True, self.job.round

@@ -63,13 +63,22 @@ def _compile(hint: Any) -> Callable[[Any], bool]:
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         row = {k: _checker(h) for k, h in hints(hint).items()}
         names = frozenset(row)
+        # A field of a plain type whose value is exactly that type (or an int for a float)
+        # passes without its check's call: 8 rows of 13 fields in every heartbeat.
+        exact = {k: h for k, h in hints(hint).items() if h in (int, float, str)}
 
         def check_row(value: Any) -> bool:
             if isinstance(value, hint):
                 return True
             if not isinstance(value, dict) or value.keys() != names:
                 return False
-            return all(row[k](v) for k, v in value.items())
+            for k, v in value.items():
+                kind, got = exact.get(k), type(v)
+                if got is kind or (kind is float and got is int):
+                    continue
+                if not row[k](v):
+                    return False
+            return True
 
         return check_row
     if origin in (typing.Union, types.UnionType):

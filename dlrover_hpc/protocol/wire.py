@@ -20,6 +20,8 @@ import secrets
 import struct
 from typing import Any
 
+import orjson
+
 from dlrover_hpc.errors import AuthError, ProtocolError
 
 VERSION = 1
@@ -50,9 +52,14 @@ def encode(frame: Frame) -> bytes:
 
 def decode(payload: bytes) -> Frame:
     try:
-        obj = json.loads(payload)
-    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." nested too deep
-        raise ProtocolError(f"frame is not JSON: {type(exc).__name__}: {exc}"[:300]) from None
+        obj = orjson.loads(payload)  # a fourth of json's time: the master's busiest path
+    except orjson.JSONDecodeError:
+        # What orjson refuses and json reads (NaN, Infinity, integers past 64 bits, deep
+        # nesting) reads as before; what neither reads is an error.
+        try:
+            obj = json.loads(payload)
+        except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." too deep
+            raise ProtocolError(f"frame is not JSON: {type(exc).__name__}: {exc}"[:300]) from None
     if not isinstance(obj, dict) or obj.get("v") != VERSION:
         version = obj.get("v") if isinstance(obj, dict) else None
         raise ProtocolError(f"unsupported protocol version {version!r}; this side speaks {VERSION}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import struct
 import subprocess
@@ -12,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from dlrover_hpc.config import MasterConfig, NodeRange
+from dlrover_hpc.config import HEARTBEATS_PER_S, MasterConfig, NodeRange
 from dlrover_hpc.errors import AuthError, ProtocolError
-from dlrover_hpc.master.server import MasterServer
+from dlrover_hpc.master.server import GC_THRESHOLDS, MasterServer
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol import wire
 from dlrover_hpc.protocol.client import MasterClient
@@ -57,6 +58,13 @@ def test_frame_round_trip_and_bad_frames() -> None:
         wire.decode(b'{"v":2,"type":"join","id":1,"body":{}}')
     with pytest.raises(ProtocolError, match="frame is not JSON"):
         wire.decode(b"\x80\x03pickle")
+    with pytest.raises(ProtocolError, match="frame is not JSON"):
+        wire.decode(b"[" * 100_000)
+    # What the fast decoder refuses and json reads, reads as before: NaN, a 100-bit integer.
+    odd = wire.decode(
+        b'{"v":1,"type":"t","id":1,"body":{"x":NaN,"n":1267650600228229401496703205376}}'
+    )
+    assert odd.body["x"] != odd.body["x"] and odd.body["n"] == 2**100
     with pytest.raises(ProtocolError, match="unknown message type 'bogus'"):
         m.from_frame(wire.Frame(type="bogus"))
     with pytest.raises(ProtocolError, match=r"join\.nproc: 'two' does not match"):
@@ -166,6 +174,11 @@ def test_join_rendezvous_status_and_error_reply(tmp_path: Path) -> None:
             await clients[0].request(
                 m.Heartbeat(agent_id="nobody", round=1), m.HeartbeatReply, timeout_s=5
             )
+        # Answered on the spot (no task per request), and the connection serves on.
+        beat = await clients[0].request(
+            m.Heartbeat(agent_id=ids[0], round=a1.round), m.HeartbeatReply, timeout_s=5
+        )
+        assert (beat.round, beat.member) == (a1.round, True)
         for c in clients:
             await c.close()
         job.cancel()
@@ -265,3 +278,39 @@ def test_the_master_raises_its_open_files_limit_for_one_connection_per_node() ->
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr
+
+
+def test_a_large_job_is_told_a_longer_heartbeat_and_the_collector_is_quieted(
+    tmp_path: Path,
+) -> None:
+    """At most HEARTBEATS_PER_S heartbeats a second reach the master: 2 s up to 1,024 nodes,
+    longer past it; silence counts as loss only after three of them."""
+    small = MasterConfig(nnodes=NodeRange.parse("2:1024"))
+    assert (small.heartbeat_every_s, small.heartbeat_silence_s) == (2.0, 15.0)
+    large = MasterConfig(nnodes=NodeRange.parse("2048:4096"))
+    assert large.heartbeat_every_s == 4096 / HEARTBEATS_PER_S == 8.0
+    assert large.heartbeat_silence_s == 24.0
+    huge = MasterConfig(
+        nnodes=NodeRange.parse("1:16384"), heartbeat_interval_s=40.0, heartbeat_timeout_s=200.0
+    )
+    assert (huge.heartbeat_every_s, huge.heartbeat_silence_s) == (40.0, 200.0)  # set: kept
+
+    before = gc.get_threshold()
+
+    async def body() -> None:
+        server = _server(tmp_path, "2:4096")
+        port = await server.start()
+        assert gc.get_threshold() == GC_THRESHOLDS
+        client = await MasterClient.connect("127.0.0.1", port, token=TOKEN)
+        reply = await client.request(
+            m.Join(node="n1", addr="n1", nproc=8), m.JoinReply, timeout_s=5
+        )
+        assert reply.heartbeat_interval_s == 8.0
+        await client.close()
+        await server.close()
+
+    try:
+        asyncio.run(body())
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
