@@ -33,6 +33,7 @@ import multiprocessing as mp
 import os
 import random
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -602,7 +603,9 @@ def _wait_round(fleets: Fleets, at_least: int, members: int, timeout_s: float = 
     raise RuntimeError(f"no round >= {at_least} of {members} agents in {timeout_s:.0f} s")
 
 
-def run_long(n: int, procs: int, hours: int, compress: float) -> dict[str, Any]:
+def run_long(
+    n: int, procs: int, hours: int, compress: float, keep: Path | None = None
+) -> dict[str, Any]:
     """``hours`` of a job in compressed time: a checkpoint every 5 minutes (every node's part
     and its saver's events), a node lost every 20 and its replacement admitted; the master's
     memory and the bytes of its event log and journal at the end of each hour."""
@@ -659,6 +662,9 @@ def run_long(n: int, procs: int, hours: int, compress: float) -> dict[str, Any]:
         report = analyze(read_events(events))
         out["report_s"] = round(time.perf_counter() - t, 2)
         out["report_goodput"] = round(report.goodput, 4)
+        if keep is not None:  # the log, to look at the report's time
+            keep.mkdir(parents=True, exist_ok=True)
+            shutil.copy(events, keep / f"events-{n}.jsonl")
     out["meets"] = {
         "rss_flat": out["rss_growth_after_hour_1"] <= 0.10,
         "events_mb_per_hour": out["events_mb_per_hour"] <= 50,
@@ -713,10 +719,11 @@ def main() -> None:
         "--hours", type=int, default=0, help="instead: a job of this many hours, compressed"
     )
     p.add_argument("--compress", type=float, default=60.0, help="simulated seconds per second")
+    p.add_argument("--keep", type=Path, help="with --hours: copy the event log here")
     args = p.parse_args()
     if args.hours:
         for n in args.agents:
-            result = run_long(n, args.procs, args.hours, args.compress)
+            result = run_long(n, args.procs, args.hours, args.compress, args.keep)
             print(json.dumps({"bench": "scale_long", "cpus": os.cpu_count(), **result}), flush=True)
         return
     for n in args.agents:

@@ -29,6 +29,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from dlrover_hpc.errors import ReportError
 from dlrover_hpc.report import lanes as _lanes
 from dlrover_hpc.report.model import Cause, Marker, NodeSummary, Report, Round, Stats
@@ -321,12 +323,10 @@ class Analysis:
 
     def _nodes(self, spans: list[Any]) -> list[NodeSummary]:
         final = {s.node: s.state for s in spans}
+        places = [(r.number, {n: i for i, n in enumerate(r.nodes)}) for r in self.rounds]
         out = []
         for node, evs in self.node_events.items():
-            ranks = {}
-            for r in self.rounds:
-                if node in r.nodes:
-                    ranks[r.number] = r.nodes.index(node)
+            ranks = {number: at[node] for number, at in places if node in at}
             removed = ""
             for _, name, detail in evs:
                 if name in ("node_drained", "node_quarantined"):
@@ -369,7 +369,10 @@ def read_events(path: str | Path) -> Iterable[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            event = json.loads(line)
+            try:
+                event = orjson.loads(line)  # a fourth of json's time: logs of 100s of MB
+            except orjson.JSONDecodeError:
+                event = json.loads(line)  # what orjson refuses and json reads (NaN)
             if not isinstance(event, dict) or "time" not in event or "event" not in event:
                 raise ValueError("not an object with 'time' and 'event'")
         except ValueError as exc:

@@ -66,6 +66,7 @@ def spans(
 ) -> list[Span]:
     """Every node's lane from its first event to ``end``, relative to ``start``."""
     round_times = [r.time for r in rounds]
+    members = [frozenset(r.nodes) for r in rounds]  # not a list's scan per lane and cut
     trained = {id(r): (a, b) for r, a, b in stretches}
     job_cuts = {start, end, *round_times, *[x for _, a, b in stretches for x in (a, b)]}
     for c0, c1 in netchecks:
@@ -80,7 +81,7 @@ def spans(
         for x, y in itertools.pairwise(cuts):
             mid = (x + y) / 2
             state = _state_at(
-                node, mid, events, times, rounds, round_times, trained, netchecks, finish
+                node, mid, events, times, rounds, round_times, members, trained, netchecks, finish
             )
             if state is None:
                 continue
@@ -100,6 +101,7 @@ def _state_at(
     times: list[float],
     rounds: Sequence[Round],
     round_times: list[float],
+    members: list[frozenset[str]],
     trained: dict[int, tuple[float, float]],
     netchecks: Sequence[tuple[float, float]],
     finish: dict[str, Any] | None,
@@ -122,7 +124,7 @@ def _state_at(
     over = stretch is not None and t > stretch[1]  # the round trained and stopped
     if over and not last:
         return LaneState.RENDEZVOUS  # every node waits for the next round
-    if node not in r.nodes:
+    if node not in members[i]:
         return LaneState.SPARE
     if stretch is None or t < stretch[0]:
         return LaneState.RESTARTING  # its workers starting (or failing before they trained)
