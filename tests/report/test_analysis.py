@@ -168,6 +168,11 @@ def test_read_events_names_the_bad_line_and_skips_a_torn_last_one(tmp_path: Path
         list(read_events(path))
     with pytest.raises(ReportError, match="does not exist; pass --job-dir"):
         list(read_events(tmp_path / "nope.jsonl"))
+    # What the fast parser refuses and json reads, reads as before: NaN, bytes not UTF-8.
+    odd = b'{"time": 1.0, "event": "x", "v": NaN}\n{"time": 2.0, "event": "y", "s": "\xff"}\n'
+    path.write_bytes(odd)
+    nan, latin = read_events(path)
+    assert nan["v"] != nan["v"] and latin["s"] == "\ufffd"
     with pytest.raises(ReportError, match="no job_started event"):
         analyze([ev(0, "node_joined", node="n1")])
 
