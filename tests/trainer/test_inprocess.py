@@ -218,7 +218,7 @@ def test_workers_change_rounds_in_process_through_a_change_a_stop_and_a_kill(
     # Rounds 2-11, every worker healthy: new ranks on a new store.  Ten changes, since a leave
     # can race a send: gloo parks a send that fails (EPIPE, ECONNRESET) and never wakes the
     # all-reduce waiting on it.  When the wrapper let gloo close a connection a peer was
-    # still writing into, this loop hung at the 1st to 21st change in five stress runs.
+    # still writing into, this loop hung by the 2nd to 22nd change in seven stress runs.
     healthy = 0.0
     for number in range(2, 12):
         if number == 11:  # told apart, as agents are: the first two leave, the third later
