@@ -119,12 +119,10 @@ def _attempts(record: str, call: Callable[[], R]) -> R:
                 membership.report_broken(record, base, text)  # the agent tells the master
             notice = watch.wait(_wait_s())
             if notice is None:
-                watch.stop()
                 watch.release()
                 raise  # no round change explains it: fail as a worker always did
             _say(f"leaves round {base} ({type(exc).__name__}: {str(exc)[:200]})")
         else:
-            watch.stop()
             watch.release()
             return result
         watch.stop()
@@ -199,7 +197,8 @@ class _Watch(threading.Thread):
             self.join()
 
     def release(self) -> None:
-        """Close the duplicates of the attempt's connections (after :meth:`stop`)."""
+        """Stop, and close the duplicates of the attempt's connections."""
+        self.stop()  # no sweep adds one meanwhile
         held, self._held = self._held, {}
         for sock in held.values():
             sock.close()
