@@ -121,11 +121,18 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
     return out
 
 
-#: ``--link-timeout``: seconds of silence on the agent <-> master connection (TCP keepalive and
-#: TCP_USER_TIMEOUT) before it fails.  A cut link's detection (goal: 5 s) is this plus up to
-#: 0.5 s of kernel timer slack and the master's 0.5 s liveness tick (a timed-out link gets no
-#: reconnect grace): 3.8 s measured by benchmarks/link_loss.py.
-DEFAULT_LINK_TIMEOUT_S = 3.0
+#: ``--link-timeout``: seconds the agent <-> master connection may go unacknowledged
+#: (TCP_USER_TIMEOUT; keepalive when it is idle) before it fails.  A cut link stalls every
+#: survivor's collective, so this is most of what a link cut costs.  The master's link ticks
+#: (``link_tick_s``) keep data in flight, so the kernel gives up this long after the first tick
+#: past the cut, not at its next whole-second keepalive probe.  1 s of no acknowledgement is
+#: three lost transmissions (Linux retransmits after 0.2 and 0.6 s); the acknowledgements come
+#: from the peer's kernel, so a busy agent or master does not delay them, and a link
+#: rate-limited to 256 kbit and full left at most 0.52 s unacknowledged in 120 s here.
+DEFAULT_LINK_TIMEOUT_S = 1.0
+#: The master's link ticks: at most this many a second over all agents (see
+#: ``MasterConfig.link_tick_s``); past that the keepalive probes alone find a cut link.
+LINK_TICKS_PER_S = 1024
 
 
 def check_link_timeout(value: float) -> None:
@@ -239,6 +246,17 @@ class MasterConfig:
         heartbeats a second (2 s up to 1,024 nodes; 8 s at 4,096).  Liveness does not wait
         for heartbeats (a cut link fails after ``link_timeout_s``); they carry progress."""
         return max(self.heartbeat_interval_s, self.nnodes.max / HEARTBEATS_PER_S)
+
+    @property
+    def link_tick_s(self) -> float | None:
+        """How often the master writes a tick to every agent: a quarter of ``link_timeout_s``
+        (0.25 s by default), so that a cut link always has data unacknowledged and fails
+        within ``link_timeout_s`` plus a tick.  None (no ticks) where that would be more than
+        :data:`LINK_TICKS_PER_S` writes a second (past 256 nodes by default): there the
+        kernel's keepalive probes, whole seconds apart, find a cut link within
+        ``link_timeout_s`` plus a second."""
+        every = self.link_timeout_s / 4
+        return every if self.nnodes.max / every <= LINK_TICKS_PER_S else None
 
     @property
     def heartbeat_silence_s(self) -> float:

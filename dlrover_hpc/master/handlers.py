@@ -312,6 +312,11 @@ class AgentHandlers:
         if rec is not None and rec.state not in (NodeState.LOST, NodeState.EXCLUDED):
             rec.disconnected_at = self.job.clock()
             rec.link_timed_out = link_timed_out
+            if link_timed_out:  # already silent for the link timeout: lost now, not at the tick
+                silence_s = self.job.config.heartbeat_silence_s
+                self.job.apply(
+                    d.lost_agents([rec], now=rec.disconnected_at, heartbeat_timeout_s=silence_s)
+                )
             self.job.poke()
 
     def check_liveness(self) -> None:

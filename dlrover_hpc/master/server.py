@@ -446,6 +446,18 @@ class MasterServer:
             self.stopper.check()
             self.job.poke()
 
+    async def _link_ticks(self, every_s: float) -> None:
+        """A tick to every agent each ``every_s``: a cut link then always has bytes in flight,
+        and fails TCP_USER_TIMEOUT ``link_timeout_s`` after the cut (the survivors' collectives
+        wait that long), not at the keepalive's next whole-second probe."""
+        tick = wire.encode(m.to_frame(m.LinkTick()))
+        while True:
+            await asyncio.sleep(every_s)
+            for writer in set(self._writers.values()):
+                # Bytes still queued here: the kernel has data in flight already.
+                if not writer.is_closing() and not writer.transport.get_write_buffer_size():
+                    writer.write(tick)
+
     async def _lease(self) -> None:
         """Renew the lease; step down when a newer master claimed the job (fencing)."""
         while True:
@@ -463,6 +475,8 @@ class MasterServer:
         if self._server is None:
             await self.start()
         live = asyncio.create_task(self._liveness())
+        tick_s = self.config.link_tick_s
+        ticks = asyncio.create_task(self._link_ticks(tick_s) if tick_s else asyncio.sleep(0))
         lease = asyncio.create_task(self._lease())
         relaunches = asyncio.create_task(
             self.relauncher.run() if self.relauncher else asyncio.sleep(0)
@@ -485,6 +499,7 @@ class MasterServer:
         finally:
             time_left.cancel()
             live.cancel()
+            ticks.cancel()
             lease.cancel()
             relaunches.cancel()
             if self.relauncher is not None and not self.superseded:  # did not hear the end

@@ -66,6 +66,8 @@ class MasterClient:
         try:
             while True:
                 frame = await wire.read_frame(self._reader)
+                if frame.type == m.LinkTick.TYPE:  # only there to be acknowledged by the kernel
+                    continue
                 message = m.from_frame(frame)
                 if frame.id is None:
                     self.pushes.put_nowait(message)

@@ -303,6 +303,14 @@ class RoundChanged(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LinkTick(Message):
+    """Push: nothing to do.  Sent every ``link_tick_s`` so that the link always carries bytes
+    the agent's kernel must acknowledge: a cut link then fails TCP_USER_TIMEOUT in time."""
+
+    TYPE: ClassVar[str] = "tick"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class StopAt(Message):
     """Push: the job ends (time limit, preemption) at the first checkpoint save at or after
     ``step``; the workers persist it and exit, by ``deadline`` (wall clock)."""

@@ -225,7 +225,7 @@ def _valid(action: argparse.Action) -> str:
         (
             "[run]\nlink_timeout = 'soon'\n",
             "{f}:2: [run] link_timeout = \"soon\": --link-timeout: invalid float value: 'soon'; "
-            "fix: write a number, e.g. link_timeout = 3",
+            "fix: write a number, e.g. link_timeout = 1",
         ),
         (
             '[master]\ndrain = "drain"\n',

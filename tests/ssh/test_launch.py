@@ -251,7 +251,7 @@ def test_cut_link_hands_its_place_to_the_spare(cluster: SshdCluster, tmp_path: P
             cluster.heal_link(victim)
     evs = events(job.job_dir)
     lost = named(evs, "node_lost")
-    # A cut link is silence: the keepalive (--link-timeout 3 s) and the heartbeat timeout (4 s
+    # A cut link is silence: the link timeout (--link-timeout, 1 s) and the heartbeat timeout (4 s
     # here) race to notice it; either is right, a "connection closed" would not be.
     assert [e["node"] for e in lost] == [victim]
     assert lost[0]["reason"] in ("link timed out", "no heartbeat"), lost
