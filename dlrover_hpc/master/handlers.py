@@ -123,7 +123,12 @@ class AgentHandlers:
         was already lost, the round went on without it: it comes back as a waiting node
         (``node_readmitted``), is probed again by the network check when that is on, and
         joins at the next rendezvous; the heartbeat reply tells it to stop its old workers.
+        Unless Slurm took its node out of the job while it was away (a ``--no-kill`` job loses
+        a node that stops answering for SlurmdTimeout): slurmd ends the agent's step there
+        once it registers again, so the agent is told to exit instead of training a round
+        and dying in it (a second stall for the same fault).
         """
+        lost_since = rec.last_seen if rec.disconnected_at is None else rec.disconnected_at
         rec.last_seen = self.job.clock()
         rec.disconnected_at, rec.link_timed_out = None, False
         if rec.state is not NodeState.LOST:
@@ -132,6 +137,21 @@ class AgentHandlers:
             )
             return
         if self.job.ended or rec.node in self.job.excluded_nodes:
+            return
+        book = self.job.relaunches
+        if (
+            self.job.relaunching_possible
+            and book.allocation is not None
+            and book.allocation_at >= lost_since
+            and rec.node not in book.allocation
+        ):
+            rec.left_job = True
+            log.warning(
+                "node not readmitted node=%s agent=%s reason=Slurm took it out of the job "
+                "while it was lost",
+                rec.node,
+                rec.agent_id,
+            )
             return
         rec.state, rec.joined_at = NodeState.WAITING, rec.last_seen
         self.job.netcheck.forget(rec.agent_id)
@@ -168,8 +188,10 @@ class AgentHandlers:
         if self.job.ended:
             fut.set_result(self.job.finished_assignment())
             return fut
-        if rec.state is NodeState.EXCLUDED:
+        if rec.state is NodeState.EXCLUDED or rec.left_job:
             reason = f"node {rec.node} is excluded from this job"
+            if rec.left_job:
+                reason = f"Slurm took node {rec.node} out of this job while its agent was lost"
             fut.set_result(m.Assignment(status=m.NodeStatus.EXCLUDED, reason=reason))
             return fut
         if rec.state is NodeState.ACTIVE and rec.round > msg.after_round and rec.assignment:

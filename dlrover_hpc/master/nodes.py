@@ -38,6 +38,8 @@ class NodeRecord:
     last_seen: float = 0.0
     disconnected_at: float | None = None
     link_timed_out: bool = False  # the disconnect was TCP giving up on a silent link
+    #: lost, and Slurm took its node out of the job meanwhile: its agent is told to exit
+    left_job: bool = False
     waiter: asyncio.Future[m.Assignment] | None = None
     assignment: m.Assignment | None = None  # of the newest round it was in
     pending: m.Assignment | None = None  # a task for its next WaitRound (network check)

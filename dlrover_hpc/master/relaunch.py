@@ -165,7 +165,7 @@ class Relauncher:
             except SlurmError as exc:
                 log.warning("cannot look at the job's allocation error=%s", exc)
                 continue
-            job.relaunches.allocation_at = taken_at
+            job.relaunches.allocation_at, job.relaunches.allocation = taken_at, allocation
             job.apply(
                 relaunches(
                     list(job.nodes.values()),

@@ -92,6 +92,7 @@ class RelaunchBook:
 
     attempts: dict[str, Relaunching] = dataclasses.field(default_factory=dict)
     allocation_at: float = float("-inf")
+    allocation: dict[str, str] | None = None  # the newest look: node -> sinfo state
     last_loss_at: float = float("-inf")  # when the newest node was lost
 
     def judging(self, now: float) -> bool:

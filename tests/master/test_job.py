@@ -414,6 +414,52 @@ def test_reconnected_agent_keeps_its_place_or_is_readmitted_once_lost(tmp_path: 
     run(body)
 
 
+@pytest.mark.parametrize(
+    ("looked", "holds_n3", "readmitted"),
+    [
+        ("after the loss", False, False),  # Slurm took n3 out of the job: its step is ended
+        ("after the loss", True, True),  # the link came back before SlurmdTimeout
+        ("before the loss", False, True),  # no look since: nothing says it left
+    ],
+)
+def test_an_agent_whose_node_slurm_took_out_of_the_job_is_told_to_exit(
+    tmp_path: Path, looked: str, holds_n3: bool, readmitted: bool
+) -> None:
+    """A cut link outlasting SlurmdTimeout: Slurm takes the node out of the ``--no-kill``
+    job and ends the agent's step there once slurmd registers again.  Readmitted meanwhile,
+    the agent trained a round and died in it (two more stalls in the soak); it exits."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3", heartbeat_timeout_s=5.0)
+        a, b, c = h.start("n1", "n2", "n3")
+        h.job.relaunching_possible = True  # under Slurm
+        if looked == "before the loss":
+            h.job.relaunches.allocation_at = h.clock.now
+            h.job.relaunches.allocation = {"n1": "alloc", "n2": "alloc"}
+        h.clock.now += 1.0
+        h.agents.disconnected(c, link_timed_out=True)
+        assert h.job.nodes[c].state is NodeState.LOST
+        if looked == "after the loss":
+            h.clock.now += 1.0
+            h.job.relaunches.allocation_at = h.clock.now
+            held = ["n1", "n2", "n3"] if holds_n3 else ["n1", "n2"]
+            h.job.relaunches.allocation = dict.fromkeys(held, "alloc")
+        h.rejoin([a, b])
+        h.settle(2.0)
+        h.agents.join(m.Join(node="n3", addr="n3", nproc=2, agent_id=c))  # the link is back
+        assert bool(h.events("node_readmitted")) is readmitted
+        h.wait(c, after=1)
+        if readmitted:
+            assert h.job.nodes[c].state is NodeState.WAITING and not h.waits[c].done()
+        else:
+            assert h.job.nodes[c].state is NodeState.LOST
+            assignment = h.waits[c].result()
+            assert assignment.status is m.NodeStatus.EXCLUDED
+            assert "Slurm took node n3 out of this job" in assignment.reason
+
+    run(body)
+
+
 def test_a_lost_agent_of_an_excluded_node_is_not_readmitted(tmp_path: Path) -> None:
     async def body() -> None:
         h = Harness(tmp_path, nnodes="2:3", heartbeat_timeout_s=5.0)
