@@ -95,6 +95,34 @@ def report_broken(record: str, round_: int, error: str) -> None:
     _write(record + BROKEN_SUFFIX, json.dumps({"round": round_, "error": error[:500]}))
 
 
+# ------------------------------------------- the worker's process: its aborted collectives
+_aborts = 0  # how many times this process's round collectives were made to fail
+_aborted = False  # made to fail, and the next round's process group not begun yet
+
+
+def collectives_aborted() -> None:
+    """The round's collectives are being made to fail (the wrapper aborts NCCL's
+    communicators, shuts gloo's connections).  A GPU kernel that waited on a lost peer then
+    ends with a partial all-reduce, and what training computes from it, the step in flight,
+    must not be kept as a checkpoint.  Called before the abort, never after it."""
+    global _aborts, _aborted
+    _aborts += 1
+    _aborted = True
+
+
+def collectives_rejoined() -> None:
+    """The next round's process group is about to be built: saves are kept again."""
+    global _aborted
+    _aborted = False
+
+
+def collectives_epoch() -> int | None:
+    """None while the round's collectives are aborted; else a number that changes with each
+    abort.  A save reads it when it starts and again when its state is whole in memory, and
+    keeps the step only if both are the same number."""
+    return None if _aborted else _aborts
+
+
 # ------------------------------------------------------------------- the agent's side
 def opted_in(record: str) -> int | None:
     """The pid of the worker that can change rounds in-process, or None."""

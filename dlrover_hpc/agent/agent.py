@@ -28,6 +28,7 @@ from dlrover_hpc.agent.zygote import Zygote
 from dlrover_hpc.checkpoint.saver.host import SaverHost
 from dlrover_hpc.checkpoint.saver.replicas import ReplicaServer
 from dlrover_hpc.config import RequeueBy, RunConfig
+from dlrover_hpc.diagnosis import stacks as st
 from dlrover_hpc.diagnosis.classify import Diagnosis
 from dlrover_hpc.diagnosis.rules import FailureKind
 from dlrover_hpc.jobdir import local_user
@@ -443,8 +444,29 @@ class Agent:
             if self.workers.poll() is not None:  # one ended instead
                 break
             await asyncio.sleep(0.02)
-        log.warning("workers did not leave round=%d in-process: ending them", self.round)
+        late = [r for r in records if membership.left(r) < leave.round]
+        log.warning(
+            "workers did not leave round=%d in-process: ending them; %s",
+            self.round,
+            await asyncio.to_thread(self._where_stuck, late),
+        )
         return False
+
+    def _where_stuck(self, records: list[str]) -> str:
+        """Where each worker that did not leave stands (py-spy): what a user needs to see
+        why the round change cost a restart after all."""
+        rows = [r for r in self.watchdog.dump(self.node) if r.status != "gone"]
+        lines = []
+        for row in rows:
+            stack = st.from_json(row.stack)
+            frames = stack.main_thread() if stack else None
+            body = (
+                " <- ".join(f.short() for f in frames.frames[:8])
+                if frames is not None
+                else f"stack unreadable: {row.error}"
+            )
+            lines.append(f"rank {row.rank} pid {row.pid} ({row.status}) at step {row.step}: {body}")
+        return "; ".join(lines) or f"{len(records)} record(s) not acknowledged"
 
     async def _report_logged_hardware_fault(self, a: m.Assignment) -> None:
         assert self.link is not None

@@ -22,6 +22,11 @@ once instead of after its timeout.  It keeps those connections open (a duplicate
 until the new round's word: a peer still inside the collective writes into a connection
 that is there, not one gloo closed when it failed, which would fail that write.
 
+From that moment no step is kept as a checkpoint until the next round's process group
+(:func:`dlrover_hpc.membership.collectives_aborted`): with NCCL the GPU, not the training
+thread, waits for an all-reduce, and an aborted one leaves a partial sum that the optimizer
+applies and a save would keep.
+
 The function's exception ends the attempt; the wrapper tears the process group down, tells
 the agent it has left, waits for the new round, takes its environment (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``, ...) and
@@ -57,7 +62,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import ParamSpec, TypeVar
 
 import torch.distributed as dist
@@ -103,9 +108,7 @@ def wrap(fn: Callable[P, R]) -> Callable[P, R]:
 
 def _attempts(record: str, call: Callable[[], R]) -> R:
     global _restarts
-    if os.environ.get(NCCL_ERRORS_ENV) == "1":
-        # 1 tears the process down on a communicator error: one we abort included
-        os.environ[NCCL_ERRORS_ENV] = "2"  # abort the communicators, raise, keep the process
+    keep_process_on_nccl_errors(os.environ)
     membership.opt_in(record, os.getpid())
     while True:
         base = int(os.environ.get(ROUND_ENV, "0"))
@@ -129,18 +132,29 @@ def _attempts(record: str, call: Callable[[], R]) -> R:
         left_at = time.monotonic()
         watch.leave()  # what the function opened since the watch began, if not done yet
         _tear_down()
+        torn_down_s = time.monotonic() - left_at
         membership.acknowledge_left(record, notice.round)
         joined = _await_join(record, base)
         # Every survivor has left (the round formed after they did): the held connections
         # may close now, before the next attempt opens its own.
         watch.release()
+        _bury()
         os.environ.update(joined.env)
+        membership.collectives_rejoined()
         _restarts += 1
         _say(
             f"joins round {joined.round} as rank {joined.env.get('RANK')} of "
             f"{joined.env.get('WORLD_SIZE')} after {time.monotonic() - left_at:.2f} s "
-            f"(in-process restart {_restarts})"
+            f"(left in {torn_down_s:.2f} s; in-process restart {_restarts})"
         )
+
+
+def keep_process_on_nccl_errors(environ: MutableMapping[str, str]) -> None:
+    """Make NCCL's error handling abort the communicators and raise, keeping the process (2).
+    1 (dlrover-run's) and 3 (torch's default) tear the process down on a communicator error:
+    a peer's death, or the abort of a round change.  0 (no handling) is the user's choice."""
+    if environ.get(NCCL_ERRORS_ENV, "3") in ("1", "3"):
+        environ[NCCL_ERRORS_ENV] = "2"
 
 
 def _wait_s() -> float:
@@ -206,14 +220,42 @@ class _Watch(threading.Thread):
 
 def _leave_collectives(before: dict[int, int], held: dict[int, socket.socket]) -> None:
     """Make every collective of the process group fail now: abort NCCL's communicators, shut
-    down the TCP connections opened since ``before`` (gloo's pairs, the store's client)."""
+    down the TCP connections opened since ``before`` (gloo's pairs, the store's client).
+    First of all, no step saved from here on is kept (an aborted NCCL all-reduce leaves a
+    partial sum in the gradients, and the GPU goes on with it)."""
+    membership.collectives_aborted()
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):  # a group torn down meanwhile
             if "nccl" in str(dist.get_backend()).lower():
                 abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
                 if abort is not None:
+                    # The abort forgets the groups; the attempt's model (DDP) still holds
+                    # them, and the last reference would end them on the main thread as the
+                    # attempt's frames are freed: seconds of joining NCCL's watchdog threads.
+                    # Held here, they end on a thread of their own (_bury).
+                    _aborted_groups.extend(dist.distributed_c10d._world.pg_names)
                     abort()
     _shut_connections(before, held)
+
+
+#: process groups aborted by a round change, not yet ended (see `_leave_collectives`)
+_aborted_groups: list[object] = []
+
+
+def _bury() -> None:
+    """End the aborted process groups off the training thread: their destructors release the
+    GIL (torch's c10d bindings) and join NCCL's threads while the next attempt goes on."""
+    if not _aborted_groups:
+        return
+    groups = _aborted_groups[:]
+    _aborted_groups.clear()
+
+    def end() -> None:
+        began = time.monotonic()
+        groups.clear()  # the last references
+        log.debug("aborted process groups ended in %.2f s", time.monotonic() - began)
+
+    threading.Thread(target=end, name="dlrover-hpc-inprocess-bury", daemon=True).start()
 
 
 def _shut_connections(before: dict[int, int], held: dict[int, socket.socket]) -> None:

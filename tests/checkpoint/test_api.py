@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dlrover_hpc import membership
 from dlrover_hpc.checkpoint import (
     DdpCheckpointer,
     FsdpShardCheckpointer,
@@ -323,6 +324,39 @@ def _mount_tmpfs(path: Path, size: str) -> None:
 def _umount(path: Path) -> None:
     with contextlib.suppress(subprocess.CalledProcessError):
         subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_step_saved_across_an_abort_of_the_collectives_is_not_kept(
+    tmp_path: Path, job: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 26 on NCCL: the in-process wrapper aborts a round's communicators; a GPU
+    all-reduce that waited on a lost peer then ends with a partial sum, and the step computed
+    from it must not become the newest in memory (the next round would restore it)."""
+    ckpt = DdpCheckpointer(str(tmp_path), env=_env(job))
+    copy = ckpt.engine.copier.copy
+    try:
+        assert ckpt.save_checkpoint(1, filled_state(1), storage_type=StorageType.MEMORY)
+        membership.collectives_aborted()  # the round's collectives fail from here on
+        assert not ckpt.save_checkpoint(2, filled_state(2), storage_type=StorageType.MEMORY)
+        assert "step 2 not saved" in caplog.text
+        membership.collectives_rejoined()  # the next round's process group
+
+        def aborted_meanwhile(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+            copy(pairs)
+            membership.collectives_aborted()  # the wrapper's thread, while the step is copied
+
+        ckpt.engine.copier.copy = aborted_meanwhile  # type: ignore[method-assign]
+        assert not ckpt.save_checkpoint(3, filled_state(3), storage_type=StorageType.MEMORY)
+        assert "step 3 not kept" in caplog.text
+        check_filled(ckpt.load_checkpoint(), 1)
+
+        ckpt.engine.copier.copy = copy  # type: ignore[method-assign]
+        membership.collectives_rejoined()
+        assert ckpt.save_checkpoint(4, filled_state(4), storage_type=StorageType.MEMORY)
+        check_filled(ckpt.load_checkpoint(), 4)
+    finally:
+        membership.collectives_rejoined()
+        ckpt.close()
 
 
 def test_full_shared_memory_warns_and_keeps_the_previous_step(

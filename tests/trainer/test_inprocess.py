@@ -23,6 +23,7 @@ from torch.distributed import TCPStore
 
 from dlrover_hpc import membership
 from dlrover_hpc.testing import wait_for
+from dlrover_hpc.trainer import inprocess
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.runtime]
 
@@ -296,3 +297,17 @@ def test_outside_dlrover_run_the_wrapper_only_calls(tmp_path: Path) -> None:
     )
     env = {k: v for k, v in os.environ.items() if k != "DLROVER_HPC_PROGRESS_FILE"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [(None, "2"), ("1", "2"), ("3", "2"), ("2", "2"), ("0", "0")],
+)
+def test_nccl_errors_abort_and_raise_rather_than_end_the_process(
+    given: str | None, expected: str
+) -> None:
+    """1 (dlrover-run's) and 3 (torch's default when unset) would end a survivor whose
+    communicators a peer's death or our abort broke; 0 is left as the user chose it."""
+    environ = {} if given is None else {inprocess.NCCL_ERRORS_ENV: given}
+    inprocess.keep_process_on_nccl_errors(environ)
+    assert environ == {inprocess.NCCL_ERRORS_ENV: expected}

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dlrover_hpc import progress
+from dlrover_hpc import membership, progress
 from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
 from dlrover_hpc.checkpoint.env import WorkerEnv, segment_name
 from dlrover_hpc.checkpoint.event_sinks import JsonlEventSink
@@ -119,7 +119,31 @@ class Engine:
         self.wait_pending()
         return self.buffers.acquire(image_len, meta_len, device)
 
-    def finish(self, seg: Segment, *, seq: int, step: int, image_len: int, meta: bytes) -> None:
+    def save_epoch(self, step: int) -> int:
+        """Where a save starts: the number :meth:`finish` compares (see
+        `membership.collectives_epoch`); refused while the round's collectives are aborted."""
+        epoch = membership.collectives_epoch()
+        if epoch is None:
+            raise CheckpointError(
+                f"step {step} not saved: this round's collectives were aborted for a "
+                "membership change, so its state may hold a partial all-reduce"
+            )
+        return epoch
+
+    def check_epoch(self, step: int, since: int) -> None:
+        if membership.collectives_epoch() != since:
+            raise CheckpointError(
+                f"step {step} not kept: the round's collectives were aborted for a membership "
+                "change while it was saved, so its state may hold a partial all-reduce; the "
+                "previous step stays the newest"
+            )
+
+    def finish(
+        self, seg: Segment, *, seq: int, step: int, image_len: int, meta: bytes, since: int
+    ) -> None:
+        """Marks the step whole in ``seg``, unless the round's collectives were aborted since
+        the save began (``since``: :meth:`save_epoch`)."""
+        self.check_epoch(step, since)
         self.buffers.finish(seg, seq=seq, step=step, image_len=image_len, meta=meta)
 
     def meta_bytes(

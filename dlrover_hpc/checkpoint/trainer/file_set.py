@@ -172,14 +172,21 @@ class FileSetCheckpointer(CheckpointerBase):
         t0 = time.perf_counter()
         storage_type = self._stop_storage(step, storage_type)
         try:
-            saved = self._save(step, files, path, storage_type, t0)
+            since = self._engine.save_epoch(step)
+            saved = self._save(step, files, path, storage_type, t0, since)
         except CheckpointError as exc:  # also SegmentSpaceError: no room in shared memory
             self._save_failed(step, exc)
             saved = False
         return self._stop_if_asked(step, saved)
 
     def _save(
-        self, step: int, files: FileSet, path: str, storage_type: StorageType, t0: float
+        self,
+        step: int,
+        files: FileSet,
+        path: str,
+        storage_type: StorageType,
+        t0: float,
+        since: int,
     ) -> bool:
         engine = self._engine
         image = self._image(files)
@@ -197,7 +204,7 @@ class FileSetCheckpointer(CheckpointerBase):
                 for at, t in image.copies
             ]
             engine.copier.copy(pairs)
-            engine.finish(seg, seq=seq, step=step, image_len=image.length, meta=meta)
+            engine.finish(seg, seq=seq, step=step, image_len=image.length, meta=meta, since=since)
         except BaseException:
             seg.invalidate()
             raise

@@ -93,8 +93,11 @@ class FsdpShardCheckpointer(CheckpointerBase):
             path=path,
         )
         try:
+            since = engine.save_epoch(step)
             metadata = dcp.save(state_dict, storage_writer=writer)
-            seg = self._finish(writer, metadata, step=step, path=path, storage_type=storage_type)
+            seg = self._finish(
+                writer, metadata, step=step, path=path, storage_type=storage_type, since=since
+            )
         except (CheckpointError, CheckpointException) as exc:
             if writer.result is not None:
                 writer.result.segment.invalidate()
@@ -117,6 +120,7 @@ class FsdpShardCheckpointer(CheckpointerBase):
         step: int,
         path: str,
         storage_type: StorageType,
+        since: int,
     ) -> Segment:
         result = writer.result
         if result is None:
@@ -144,7 +148,7 @@ class FsdpShardCheckpointer(CheckpointerBase):
                 restore=result.restore,
             )
             self._engine.finish(
-                seg, seq=result.seq, step=step, image_len=result.image_len, meta=meta
+                seg, seq=result.seq, step=step, image_len=result.image_len, meta=meta, since=since
             )
         except BaseException:
             seg.invalidate()

@@ -122,9 +122,10 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
                 engine.last_disk_step = step
             return self._stop_if_asked(step, True)
         try:
-            saved = self._save(step, state_dict, path, storage_type, t0)
+            since = engine.save_epoch(step)
+            saved = self._save(step, state_dict, path, storage_type, t0, since)
         except SegmentSpaceError as exc:
-            saved = self._spill_or_fail(step, state_dict, path, storage_type, t0, exc)
+            saved = self._spill_or_fail(step, state_dict, path, storage_type, t0, exc, since)
         except CheckpointError as exc:
             self._save_failed(step, exc)
             saved = False
@@ -138,6 +139,7 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
         storage_type: StorageType,
         t0: float,
         why: SegmentSpaceError,
+        since: int,
     ) -> bool:
         """Shared memory has no room for this save.  A DISK save goes to storage anyway,
         through a file in the spill directory (a disk: :func:`spill_dir`) that the saver
@@ -161,6 +163,7 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
             engine.copier.copy(list(zip(self._views(seg, layout), tensors, strict=True)))
             assert seg.mm is not None
             seg.mm[HEADER_SIZE + tail.offset : HEADER_SIZE + image_len] = tail.data
+            engine.check_epoch(step, since)
             seg.finish_write(seq=seq, step=step, image_len=image_len, meta=meta)
             seg.unlock()
             engine.last_disk_step = step
@@ -194,7 +197,9 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
         )
         return True
 
-    def _save(self, step: int, state: Any, path: str, storage_type: StorageType, t0: float) -> bool:
+    def _save(
+        self, step: int, state: Any, path: str, storage_type: StorageType, t0: float, since: int
+    ) -> bool:
         engine = self._engine
         pkl, tensors = pickle_state(state)
         device = cuda_device(tensors)
@@ -204,7 +209,9 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
             signature = tensor_signature(cuda)
             snap = engine.deferred.snapshot_for(device, cuda, signature)
         if snap is None:
-            return self._write(step, pkl, tensors, path, storage_type, t0, device=device)
+            return self._write(
+                step, pkl, tensors, path, storage_type, t0, since=since, device=device
+            )
         # GPU tensors: copy on the device and return; the drain thread writes the segment
         taken = iter(snap.take(cuda, signature))
         sources = [next(taken) if t.is_cuda else t.clone() for t in tensors]
@@ -221,6 +228,7 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
                     path,
                     storage_type,
                     t0,
+                    since=since,
                     device=device,
                     snapshot=snap,
                     blocking_s=blocking,
@@ -243,6 +251,7 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
         storage_type: StorageType,
         t0: float,
         *,
+        since: int,
         device: torch.device | None,
         snapshot: DeviceSnapshot | None = None,
         blocking_s: float | None = None,
@@ -261,7 +270,7 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
             engine.copier.copy(pairs)
             assert seg.mm is not None
             seg.mm[HEADER_SIZE + tail.offset : HEADER_SIZE + image_len] = tail.data
-            engine.finish(seg, seq=seq, step=step, image_len=image_len, meta=meta)
+            engine.finish(seg, seq=seq, step=step, image_len=image_len, meta=meta, since=since)
         except BaseException:
             seg.invalidate()
             raise
