@@ -26,7 +26,7 @@ stalled is counted as not recovering.
 Needs root (the local Slurm) and ``bash benchmarks/peers_venv.sh`` first.  Prints one JSON
 line.
 
-    python benchmarks/side_by_side.py [--launchers dlrover-run,torchrun,...]
+    python benchmarks/side_by_side.py [--launchers dlrover-run,torchrun,...] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -214,9 +215,47 @@ def _analyse(rows: list[tuple[float, int]], hits: list[dict]) -> dict:
     }
 
 
+def _nearest_rank(values: list[float], q: float) -> float:
+    """The q-quantile by nearest rank: a value that was measured (the largest for a few)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def summarize(runs: list[dict]) -> dict[str, dict]:
+    """Per launcher, over the repeats: each fault kind's stall (median, p95 by nearest rank,
+    and how many recovered), the steps done again, goodput's median and the jobs completed."""
+    out: dict[str, dict] = {}
+    for launcher in dict.fromkeys(r["launcher"] for r in runs):
+        mine = [r for r in runs if r["launcher"] == launcher]
+        entry: dict = {
+            "repeats": len(mine),
+            "completed": sum(bool(r.get("completed")) for r in mine),
+        }
+        for kind, _, _ in FAULTS:
+            hits = [f for r in mine for f in r.get("faults", []) if f["kind"] == kind]
+            stalls = [f["stall_s"] for f in hits if f["stall_s"] is not None]
+            entry[kind] = {
+                "recovered": f"{len(stalls)}/{len(mine)}",
+                "stall_median_s": round(statistics.median(stalls), 2) if stalls else None,
+                "stall_p95_s": _nearest_rank(stalls, 0.95) if stalls else None,
+                "redone_steps": sum(f["redone_steps"] or 0 for f in hits),
+            }
+        goodputs = [r["goodput"] for r in mine if r.get("goodput") is not None]
+        entry["goodput_median"] = round(statistics.median(goodputs), 3) if goodputs else None
+        out[launcher] = entry
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--launchers", default=",".join(LAUNCHERS))
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every launcher this many times, interleaved (launcher by launcher in each "
+        "repeat), for medians and p95s",
+    )
     args = p.parse_args()
     launchers = args.launchers.split(",")
     if any(not launcher.startswith("dlrover-run") for launcher in launchers):
@@ -229,13 +268,22 @@ def main() -> None:
     if cluster.is_up() and state.get("nodes") != cluster.config.node_names():
         LocalSlurm().down()
     runs = []
-    for launcher in launchers:
-        cluster.up()  # each launcher on a whole cluster (the last one lost a node)
-        try:
-            runs.append(_one(cluster, launcher))
-        finally:
-            cluster.down()
-    print(json.dumps({"bench": "side_by_side", "faults": [f[0] for f in FAULTS], "runs": runs}))
+    for _ in range(args.repeats):
+        for launcher in launchers:
+            cluster.up()  # each launcher on a whole cluster (the last one lost a node)
+            try:
+                runs.append(_one(cluster, launcher))
+            finally:
+                cluster.down()
+            print(json.dumps(runs[-1]), file=sys.stderr, flush=True)  # progress, for the patient
+    summary = {
+        "bench": "side_by_side",
+        "faults": [f[0] for f in FAULTS],
+        "repeats": args.repeats,
+        "summary": summarize(runs),
+        "runs": runs,
+    }
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":
