@@ -23,6 +23,7 @@ from pathlib import Path
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol import wire
 from dlrover_hpc.protocol.client import MasterClient
+from dlrover_hpc.protocol.loop import loop_factory, name
 
 GOALS_S = {1024: 2.0, 8192: 15.0, 16384: 5.0}  # 16,384: issue 29
 
@@ -63,6 +64,7 @@ async def rendezvous(n: int, port: int, token: str) -> float:
 _BASELINE_SERVER = """
 import asyncio, resource, sys
 from dlrover_hpc.protocol import wire
+from dlrover_hpc.protocol.loop import loop_factory  # the master's loop
 
 async def serve(reader, writer):
     frame = await wire.read_frame(reader)
@@ -81,7 +83,8 @@ async def main():
     print(server.sockets[0].getsockname()[1], flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 
-asyncio.run(main())
+with asyncio.Runner(loop_factory=loop_factory()) as runner:
+    runner.run(main())
 """
 
 
@@ -164,7 +167,12 @@ def main() -> None:
     args = p.parse_args()
     _raise_fd_limit(max(args.agents) + 512)  # the agents' side; master and server: their own
     results = [run_one(n) for n in args.agents]
-    print(json.dumps({"bench": "rendezvous", "cpus": os.cpu_count(), "results": results}))
+    loop = name(loop_factory())  # the master's and the baseline server's
+    print(
+        json.dumps(
+            {"bench": "rendezvous", "cpus": os.cpu_count(), "event_loop": loop, "results": results}
+        )
+    )
 
 
 if __name__ == "__main__":

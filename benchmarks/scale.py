@@ -56,6 +56,7 @@ from dlrover_hpc.master.resume import restore  # noqa: E402
 from dlrover_hpc.protocol import messages as m  # noqa: E402
 from dlrover_hpc.protocol import wire  # noqa: E402
 from dlrover_hpc.protocol.client import MasterClient  # noqa: E402
+from dlrover_hpc.protocol.loop import loop_factory, name  # noqa: E402
 from dlrover_hpc.report.analysis import analyze, read_events  # noqa: E402
 
 RANKS_PER_NODE = 8
@@ -63,6 +64,8 @@ HEARTBEAT_S = 2.0  # the smallest heartbeat interval (the master tells the agent
 ECHO_ROUNDS = 4  # heartbeats per connection to the baseline's echo server
 STEP_S = 0.5  # the simulated job's step time
 #: Done-when of issue 29 on this 2-core machine.
+#: the master's event loop (and the echo baseline's): DLROVER_HPC_EVENT_LOOP
+LOOP = name(loop_factory())
 GOALS = {"rendezvous_s": {16384: 5.0}, "master_cpu_share": {4096: 0.15}, "p99_ms": {4096: 50.0}}
 
 
@@ -389,6 +392,7 @@ def _fleet_main(conn: Connection, indices: list[int], t0: float, fds: int) -> No
 _ECHO_SERVER = """
 import asyncio, resource, sys
 from dlrover_hpc.protocol import wire
+from dlrover_hpc.protocol.loop import loop_factory  # the master's loop
 
 async def serve(reader, writer):
     try:
@@ -407,7 +411,8 @@ async def main():
     print(server.sockets[0].getsockname()[1], flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 
-asyncio.run(main())
+with asyncio.Runner(loop_factory=loop_factory()) as runner:
+    runner.run(main())
 """
 
 
@@ -724,12 +729,17 @@ def main() -> None:
     if args.hours:
         for n in args.agents:
             result = run_long(n, args.procs, args.hours, args.compress, args.keep)
-            print(json.dumps({"bench": "scale_long", "cpus": os.cpu_count(), **result}), flush=True)
+            print(
+                json.dumps(
+                    {"bench": "scale_long", "cpus": os.cpu_count(), "event_loop": LOOP, **result}
+                ),
+                flush=True,
+            )
         return
     for n in args.agents:
         result = run_one(n, args.procs, args.steady, args.profile)
         print(
-            json.dumps({"bench": "scale", "cpus": os.cpu_count(), **result}),
+            json.dumps({"bench": "scale", "cpus": os.cpu_count(), "event_loop": LOOP, **result}),
             flush=True,
         )
 

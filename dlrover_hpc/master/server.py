@@ -307,10 +307,11 @@ class MasterServer:
                     script=os.environ.get("DLROVER_HPC_SBATCH_SCRIPT"),
                 )
         log.info(
-            "master listening host=%s port=%d job_dir=%s",
+            "master listening host=%s port=%d job_dir=%s loop=%s",
             self.advertised_host,
             self.port,
             self.job_dir,
+            type(asyncio.get_running_loop()).__module__.split(".")[0],
         )
         return self.port
 

@@ -14,6 +14,7 @@ from dlrover_hpc.jobdir import make_job_dir
 from dlrover_hpc.master import failover, stopping
 from dlrover_hpc.master.server import SUPERSEDED, MasterServer
 from dlrover_hpc.master.token import resolve_token
+from dlrover_hpc.protocol.loop import loop_factory
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ class MasterThread:
     def __init__(
         self, config: MasterConfig, *, token: str, job_dir: Path, epoch: int | None = None
     ) -> None:
-        self._loop = asyncio.new_event_loop()
+        self._loop = loop_factory()()
         self.server = MasterServer(config, token=token, job_dir=job_dir, epoch=epoch)
         self._ready = threading.Event()
         self.exit_code: int | None = None
@@ -94,4 +95,5 @@ def run_master(config: MasterConfig) -> int:
             loop.add_signal_handler(signal.SIGUSR1, server.stopper.request, None, "SIGUSR1")
         return await server.serve()
 
-    return asyncio.run(main())
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(main())
