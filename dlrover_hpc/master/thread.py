@@ -25,7 +25,10 @@ class MasterThread:
     def __init__(
         self, config: MasterConfig, *, token: str, job_dir: Path, epoch: int | None = None
     ) -> None:
-        self._loop = loop_factory()()
+        # asyncio's own loop: this one runs on a daemon thread of the agent, and a uvloop loop
+        # there ended the agent with SIGSEGV at its SIGTERM shutdown (1 of ~1,100 tests in CI).
+        # uvloop serves the job master of its own process (run_master), where it pays.
+        self._loop = asyncio.new_event_loop()
         self.server = MasterServer(config, token=token, job_dir=job_dir, epoch=epoch)
         self._ready = threading.Event()
         self.exit_code: int | None = None

@@ -1,4 +1,6 @@
-"""The event loop a master serves on: uvloop's where it is installed, else asyncio's own.
+"""The event loop the job master (``dlrover-hpc master``) serves on: uvloop's where it is
+installed, else asyncio's own.  An agent's in-process master keeps asyncio's (see
+``master.thread``).
 
 uvloop runs the same asyncio API on libuv, at a fraction of the CPU per connection and per
 frame: what a master answering thousands of agents spends most of its time on (issue 29).
