@@ -41,7 +41,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -63,6 +62,7 @@ from checkpoint import gpt_state  # noqa: E402
 from dlrover_hpc.checkpoint import DdpCheckpointer, StorageType  # noqa: E402
 from dlrover_hpc.checkpoint.env import WorkerEnv  # noqa: E402
 from dlrover_hpc.checkpoint.saver.segments import HEADER_SIZE, Segment  # noqa: E402
+from dlrover_hpc.testing.ports import free_port  # noqa: E402
 
 GOALS = {
     "warm_blocking_vs_pinned_d2h": 1.2,
@@ -316,12 +316,6 @@ def dlrover_run_resume(workdir: Path) -> dict[str, Any]:
 NODES = ("gpu1", "gpu2", "gpu3")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _node_argv(node: str, command: list[str]) -> list[str]:
     setup = (
         f"echo {node} > /proc/sys/kernel/hostname && "
@@ -397,7 +391,7 @@ def elastic_job(
     0's longest gap between steps after it, less one ideal step."""
     work = workdir / f"elastic-{backend}-{'inprocess' if inprocess else 'restart'}"
     (work / "ckpt").mkdir(parents=True)
-    port = _free_port()
+    port = free_port()  # under the ephemeral range: no client's port takes it meanwhile
     env = {
         **os.environ,
         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
