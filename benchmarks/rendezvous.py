@@ -18,8 +18,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
+from dlrover_hpc.config import DEFAULT_LINK_TIMEOUT_S
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol import wire
 from dlrover_hpc.protocol.client import MasterClient
@@ -36,12 +39,16 @@ def _raise_fd_limit(need: int) -> None:
 
 async def _agent(port: int, token: str, i: int, sem: asyncio.Semaphore) -> tuple[int, MasterClient]:
     async with sem:  # bounded concurrent connects, as a real fan-in would be
-        client = await MasterClient.connect("127.0.0.1", port, token=token, timeout_s=120)
+        # The link timeout once, the master's (an agent sets its own, then the master's).
+        client = await MasterClient.connect(
+            "127.0.0.1", port, token=token, timeout_s=120, link_timeout_s=None
+        )
         reply = await client.request(
             m.Join(node=f"node{i:05d}", addr=f"node{i:05d}", nproc=8, slurm_node_id=i),
             m.JoinReply,
             timeout_s=120,
         )
+        client.set_link_timeout(max(reply.link_timeout_s, DEFAULT_LINK_TIMEOUT_S))
     assignment = await client.request(
         m.WaitRound(agent_id=reply.agent_id, after_round=0), m.Assignment, timeout_s=300
     )
@@ -119,6 +126,33 @@ async def baseline(n: int) -> float:
         server.communicate("", timeout=60)
 
 
+def _run(coro: Coroutine[Any, Any, float]) -> float:
+    """The simulated agents' side on the master's loop (uvloop where installed): the agents'
+    process shares the two cores with the master, and its cost is the harness's, not ours."""
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(coro)
+
+
+def _cpu_s(pid: int) -> float:
+    """The CPU seconds (user and system) process ``pid`` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_idle(pid: int, *, timeout_s: float = 60.0) -> None:
+    """Until the master is idle: listening, and done importing torch in the background (a
+    job's agents reach their master seconds after it starts, once srun has started them)."""
+    deadline = time.monotonic() + timeout_s
+    before = _cpu_s(pid)
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = _cpu_s(pid)
+        if now - before < 0.02:
+            return
+        before = now
+    raise RuntimeError(f"the master (pid {pid}) did not settle in {timeout_s:g} s")
+
+
 def run_one(n: int) -> dict:
     token = secrets.token_hex(16)
     with tempfile.TemporaryDirectory() as job_dir:
@@ -146,16 +180,22 @@ def run_one(n: int) -> dict:
                     raise RuntimeError("master did not start")
                 time.sleep(0.05)
             port = json.loads(info_path.read_text())["port"]
-            took = asyncio.run(rendezvous(n, port, token))
+            _wait_idle(master.pid)
+            cpu_before, fleet_before = _cpu_s(master.pid), _cpu_s(os.getpid())
+            took = _run(rendezvous(n, port, token))
+            master_cpu = _cpu_s(master.pid) - cpu_before
+            fleet_cpu = _cpu_s(os.getpid()) - fleet_before
         finally:
             master.terminate()
             master.wait(30)
-    base = asyncio.run(baseline(n))
+    base = _run(baseline(n))
     return {
         "agents": n,
         "rendezvous_s": round(took, 3),
         "baseline_transport_s": round(base, 3),
         "ratio_to_transport": round(took / base, 2),
+        "master_cpu_s": round(master_cpu, 3),  # the master's own share of the rendezvous
+        "agents_cpu_s": round(fleet_cpu, 3),  # the simulated agents' (this process)
         "goal_s": GOALS_S.get(n),
         "meets_goal": took <= GOALS_S[n] if n in GOALS_S else None,
     }

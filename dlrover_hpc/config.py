@@ -133,6 +133,13 @@ DEFAULT_LINK_TIMEOUT_S = 1.0
 #: The master's link ticks: at most this many a second over all agents (see
 #: ``MasterConfig.link_tick_s``); past that the keepalive probes alone find a cut link.
 LINK_TICKS_PER_S = 1024
+#: A link that only keepalive watches (a job too large for ticks) fails no sooner than this.
+#: Keepalive probes are whole seconds apart, so a 1 s timeout is a single probe: one lost probe
+#: or acknowledgement ends a healthy connection.  Probes of connections that went idle together
+#: (a round's assignments, a stop notice) leave together: 16,384 simulated agents waiting for
+#: their round here lost ~10,000 of them in the kernel's input queue and every connection from
+#: the 13,600th on (issue 29).  3 s is two probes a second apart, and a retransmission between.
+KEEPALIVE_LINK_TIMEOUT_S = 3.0
 
 
 def check_link_timeout(value: float) -> None:
@@ -142,6 +149,11 @@ def check_link_timeout(value: float) -> None:
             f"--link-timeout={value:g}: must be a positive number of seconds, e.g. "
             f"--link-timeout={DEFAULT_LINK_TIMEOUT_S:g}"
         )
+
+
+#: ``--scale-up-wait``: how long a scale-up (a node returning to a job running below MAX) may
+#: wait for the next checkpoint, so that the restart that takes the node in redoes no step.
+DEFAULT_SCALE_UP_WAIT_S = 300.0
 
 
 #: ``--reconnect-timeout``: how long an agent whose master connection dropped keeps trying to
@@ -226,6 +238,9 @@ class MasterConfig:
     min_nodes_timeout_s: float = 300.0
     netcheck_timeout_s: float = 30.0
     link_timeout_s: float = DEFAULT_LINK_TIMEOUT_S  # a silent agent connection fails after this
+    #: a node that could join the running round (returning, or a replacement) waits for the
+    #: next checkpoint at most this long (0: it joins at once; ``--scale-up-wait``)
+    scale_up_wait_s: float = DEFAULT_SCALE_UP_WAIT_S
     replacement_sbatch: str | None = None  # template of replacement jobs; None: no replacements
     requeue: bool = True  # below MIN nodes for min_nodes_timeout_s: scontrol requeue (Slurm)
     embedded: bool = False  # runs inside an agent (no master step): said in master.json
@@ -246,6 +261,16 @@ class MasterConfig:
         heartbeats a second (2 s up to 1,024 nodes; 8 s at 4,096).  Liveness does not wait
         for heartbeats (a cut link fails after ``link_timeout_s``); they carry progress."""
         return max(self.heartbeat_interval_s, self.nnodes.max / HEARTBEATS_PER_S)
+
+    @property
+    def link_timeout_in_use_s(self) -> float:
+        """The link timeout of this job's connections, both ends (the agents are told it in
+        their :class:`JoinReply`): ``link_timeout_s`` while the master's ticks keep data in
+        flight on every link, and at least :data:`KEEPALIVE_LINK_TIMEOUT_S` in a job too large
+        for ticks (past 256 nodes with the 1 s default), where keepalive alone watches."""
+        if self.link_tick_s is not None:
+            return self.link_timeout_s
+        return max(self.link_timeout_s, KEEPALIVE_LINK_TIMEOUT_S)
 
     @property
     def link_tick_s(self) -> float | None:
@@ -286,6 +311,7 @@ class MasterConfig:
                 f"heartbeat timeout {self.heartbeat_timeout_s} s"
             )
         check_link_timeout(self.link_timeout_s)
+        check_seconds("--scale-up-wait", self.scale_up_wait_s, DEFAULT_SCALE_UP_WAIT_S)
         check_seconds("--hang-timeout", self.hang_timeout_s, HANG_CEILING_S, auto=True)
         if self.max_continuations < 0:
             raise ConfigError(

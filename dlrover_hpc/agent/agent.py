@@ -114,6 +114,8 @@ class Agent:
         # The workers left the last round in-process and wait for the next (issue 26).
         self._kept = False
         self._joins_running_job = False  # not the job's first rendezvous (JoinReply)
+        #: the master's link timeout when longer than ours (a large job's: JoinReply)
+        self._link_timeout_s = config.link_timeout_s
 
     # -------------------------------------------------------------- setup
     async def _open_link(self) -> None:
@@ -126,7 +128,7 @@ class Agent:
                 return await MasterClient.connect(
                     *self.master,
                     token=self._token,
-                    link_timeout_s=self.config.link_timeout_s,
+                    link_timeout_s=self._link_timeout_s,
                     pushes=pushes,
                 )
             except OSError:  # a stale address (a replacement job's): ask master.json
@@ -173,6 +175,9 @@ class Agent:
         self._job_id = reply.job_id
         self._heartbeat_s = reply.heartbeat_interval_s
         self._joins_running_job = reply.job_running
+        if reply.link_timeout_s > self._link_timeout_s:
+            self._link_timeout_s = reply.link_timeout_s
+            client.set_link_timeout(reply.link_timeout_s)
         log.info(
             "%s master=%s:%d agent=%s",
             "re-joined" if rejoined else "joined",

@@ -14,6 +14,7 @@ from dlrover_hpc.cli.parser import Parser
 from dlrover_hpc.cli.site_config import Defaults
 from dlrover_hpc.config import (
     DEFAULT_LINK_TIMEOUT_S,
+    DEFAULT_SCALE_UP_WAIT_S,
     DrainMode,
     MasterConfig,
     NodeRange,
@@ -100,6 +101,15 @@ def register_master(sub: argparse._SubParsersAction, defaults: Defaults | None =
         type=float,
         default=defaults.value("last_call", "3"),
         help="seconds to wait for more nodes once MIN have joined (default 3)",
+    )
+    p.add_argument(
+        "--scale-up-wait",
+        type=float,
+        default=defaults.value("scale_up_wait", f"{DEFAULT_SCALE_UP_WAIT_S:g}"),
+        help="seconds a node that could join the running job (back from a fault, or a "
+        "replacement) may wait for the job's next checkpoint, so that the restart taking it "
+        "in redoes no step; a fault meanwhile takes it in at once. 0: at once "
+        f"(default {DEFAULT_SCALE_UP_WAIT_S:g})",
     )
     p.add_argument(
         "--netcheck-timeout",
@@ -206,6 +216,7 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
         max_restarts=args.max_restarts,
         heartbeat_timeout_s=args.heartbeat_timeout,
         link_timeout_s=args.link_timeout,
+        scale_up_wait_s=args.scale_up_wait,
         last_call_s=args.last_call,
         netcheck_timeout_s=args.netcheck_timeout,
         replacement_sbatch=None

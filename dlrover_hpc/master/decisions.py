@@ -277,6 +277,30 @@ def lost_agents(
     return actions
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScaleUpWait:
+    """A scale-up put off to the next checkpoint (issue 26): a restart now would redo every
+    step since the last one, and the next fault's restart may take the node in for free."""
+
+    since: float  # master clock when the scale-up was first due
+    after_step: int  # the newest step any rank had reported then: a save after it will do
+
+
+def scale_up_due(
+    wait: ScaleUpWait, *, saved: int | None, committed: int, now: float, limit_s: float
+) -> str | None:
+    """Why a put-off scale-up goes now, or None to keep waiting.  ``saved``: the oldest of
+    the newest steps each rank of the round holds in memory (None: not every rank reported
+    one); ``committed``: the newest step committed to storage."""
+    if saved is not None and saved > wait.after_step:
+        return f"every rank saved step {saved} or later to memory"
+    if committed > wait.after_step:
+        return f"step {committed} committed"
+    if now - wait.since >= limit_s:
+        return f"no checkpoint within {limit_s:g} s"
+    return None
+
+
 def scale_up(participants: Sequence[NodeRecord], ready: int, params: RdzvParams) -> list[Action]:
     """Running below MAX while ``ready`` new agents (replacements) wait: take them in."""
     if any(n.state is not NodeState.ACTIVE for n in participants):

@@ -114,6 +114,7 @@ class AgentHandlers:
             job_id=self.job.config.job_id,
             heartbeat_interval_s=self.job.config.heartbeat_every_s,
             job_running=self.job.round > 0,
+            link_timeout_s=self.job.config.link_timeout_in_use_s,
         )
 
     def _rejoin(self, rec: NodeRecord) -> None:
@@ -214,6 +215,7 @@ class AgentHandlers:
             rec.pending = None
             return fut
         rec.waiter = fut
+        self.job.count_wait(fut)
         self.job.poke()
         return fut
 

@@ -319,6 +319,7 @@ class HangWatch:
         self._swap: str | None = None  # a straggler's node, out at the next checkpoint
         self._swap_after = -1  # the newest step when it was found: a save after it will do
         job.on_round_opening = self.round_opening
+        job.saved_steps = self.saved_steps
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ reports
@@ -563,6 +564,16 @@ class HangWatch:
         """A checkpoint was committed: the time to swap a straggler's node for a spare."""
         if self._swap is not None and self.job.phase is Phase.RUNNING:
             self._swap_now("a checkpoint committed")
+
+    def saved_steps(self) -> tuple[int, int] | None:
+        """(The oldest of the ranks' newest steps saved to memory, the newest step any rank
+        reported) in the running round; None until every rank has reported."""
+        self._new_round()
+        world = sum(n.nproc for n in self.job.participants())
+        if not len(self._seen) >= world > 0:
+            return None
+        seen = self._seen.values()
+        return min(s.progress.saved_step for s in seen), max(s.progress.step for s in seen)
 
     def _swap_if_saved(self) -> None:
         """Every rank of the running round holds a step in memory that it saved after the

@@ -35,7 +35,7 @@ from dlrover_hpc.master.phases import ENDED, FORMING, Phase, check_transition, e
 from dlrover_hpc.master.relaunch_plan import RelaunchBook
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.rendezvous.ranking import rank_nodes
-from dlrover_hpc.rendezvous.state import RdzvParams, Waiter, decide
+from dlrover_hpc.rendezvous.state import RdzvParams, Waiter, decide, usable_count
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,9 @@ Push = Callable[[str, m.Message], None]
 #: A forming round's decision that took longer than this (thousands of waiting nodes) lets
 #: COALESCE_FACTOR times its own time of joins come in before the next, at most COALESCE_MAX_S.
 COALESCE_ABOVE_S, COALESCE_FACTOR, COALESCE_MAX_S = 0.002, 4.0, 0.25
+#: A scale-up waiting for a checkpoint looks at the ranks' saved steps this often (heartbeats
+#: bring them every few seconds; the master's pass over them is linear in the ranks).
+SCALE_UP_POLL_S = 0.5
 
 
 class Job:
@@ -88,6 +91,8 @@ class Job:
         #: rounds completed by this master process (a resumed one starts at 0, round does not)
         self.rounds_here = 0
         self.nodes: dict[str, NodeRecord] = {}
+        #: WaitRounds outstanding (:meth:`count_wait`): at least the agents in rendezvous
+        self.waits = 0
         self.phase = Phase.WAITING
         self._forming = Phase.WAITING  # the forming phase a network check returns to
         self.round = 0
@@ -106,6 +111,12 @@ class Job:
         self.last_committed = -1  # the newest checkpoint step committed in this process
         #: called as a round re-opens, before its agents are told (a pending straggler swap)
         self.on_round_opening: Callable[[], None] | None = None
+        #: the running round's saved steps: (the oldest of each rank's newest step saved to
+        #: memory, the newest step any rank reported); None: not every rank has reported
+        self.saved_steps: Callable[[], tuple[int, int] | None] | None = None
+        self._scale_up_wait: d.ScaleUpWait | None = None  # a scale-up put off to a checkpoint
+        self._deferred_since: float | None = None  # ... for the round that takes the node in
+        self._saw_save = False  # every rank of a round held a saved step: the job checkpoints
         self.netcheck = NetcheckGate(
             new_store=stores.new_store,
             store_host=store_host,
@@ -173,6 +184,14 @@ class Job:
             for n in self.nodes.values()
             if n.state is NodeState.WAITING and n.waiter is not None and not n.waiter.done()
         ]
+
+    def count_wait(self, fut: asyncio.Future[m.Assignment]) -> None:
+        """``fut`` is an agent's WaitRound, outstanding until it is done."""
+        self.waits += 1
+        fut.add_done_callback(self._wait_done)
+
+    def _wait_done(self, _: asyncio.Future[m.Assignment]) -> None:
+        self.waits -= 1
 
     def poke(self) -> None:
         self._changed.set()
@@ -293,12 +312,57 @@ class Job:
         log.warning("node benched node=%s reason=%s", node, reason)
         self.apply(d.excluded(self.phase, node, reason, was_active, how="benched"))
 
+    def _scale_up(self) -> float | None:
+        """Take in nodes waiting while the round runs below MAX: at the next checkpoint (every
+        rank saved a step newer than the newest one when they came, or one was committed), so
+        the restart redoes no step; at once where the job saves no checkpoint the master sees,
+        or with ``--scale-up-wait=0``; at the latest after ``--scale-up-wait``.  A fault
+        meanwhile re-forms the round with them: one restart for both.  Returns when to look
+        again."""
+        actions = d.scale_up(self.participants(), len(self._waiting()), self.params)
+        if not actions:
+            self._scale_up_wait = None
+            return None
+        now, limit = self.clock(), self.config.scale_up_wait_s
+        steps = self.saved_steps() if self.saved_steps is not None else None
+        self._saw_save |= steps is not None and steps[0] >= 0
+        wait = self._scale_up_wait
+        if wait is None:
+            if not limit or not (self._saw_save or self.last_committed >= 0):
+                self.apply(actions)  # no checkpoint to wait for
+                return None
+            newest = steps[1] if steps is not None else -1
+            wait = self._scale_up_wait = d.ScaleUpWait(since=now, after_step=newest)
+            log.info(
+                "scale-up deferred to the next checkpoint after step %d (at most %g s)",
+                wait.after_step,
+                limit,
+            )
+        why = d.scale_up_due(
+            wait,
+            saved=steps[0] if steps is not None else None,
+            committed=self.last_committed,
+            now=now,
+            limit_s=limit,
+        )
+        if why is None:
+            return min(wait.since + limit, now + SCALE_UP_POLL_S)
+        self._deferred_since = wait.since
+        reason = actions[0].reason if isinstance(actions[0], d.OpenRound) else "scale up"
+        self.apply(
+            [d.OpenRound(Phase.RENDEZVOUS, f"{reason} (deferred {now - wait.since:.1f} s: {why})")]
+        )
+        return None
+
+    def _short(self, waiting: int) -> bool:
+        """``waiting`` nodes are too few for a round."""
+        return usable_count(self.params, waiting) < self.params.min_nodes
+
     def _reserve(self, waiting: list[NodeRecord]) -> list[NodeRecord]:
         """Benched nodes a forming round takes back: fewer than MIN wait and nobody else is
         left to wait for; those benched longest first."""
-        alive = sum(1 for n in self.nodes.values() if d.reachable(n))
         short = self.params.min_nodes - len(waiting)
-        if short <= 0 or len(waiting) < alive:
+        if short <= 0:
             return []
         benched = [
             n
@@ -308,6 +372,8 @@ class Job:
             and n.waiter is not None
             and not n.waiter.done()
         ]
+        if not benched or len(waiting) < sum(1 for n in self.nodes.values() if d.reachable(n)):
+            return []
         taken = sorted(benched, key=lambda n: (n.joined_at, n.agent_id))[:short]
         for rec in taken:
             log.warning(
@@ -320,6 +386,8 @@ class Job:
 
     def open_round(self, phase: Phase, reason: str) -> None:
         """Stop the running round: every active agent stops its workers and re-joins."""
+        if self._scale_up_wait is not None:  # a fault's round takes the waiting nodes in
+            self._deferred_since, self._scale_up_wait = self._scale_up_wait.since, None
         self._enter(phase)
         self._opened_at = self.clock()
         if self.on_round_opening is not None:
@@ -382,8 +450,9 @@ class Job:
             )
         if self.ended:
             return None
+        scale_up_at = None
         if self.phase is Phase.RUNNING and self.recovery is None:
-            self.apply(d.scale_up(self.participants(), len(self._waiting()), self.params))
+            scale_up_at = self._scale_up()
         if self.phase is Phase.NETCHECK:
             removals = self.netcheck.poll()
             if removals is None:
@@ -395,14 +464,27 @@ class Job:
                 if self._remove_node is not None and self.config.drain is not DrainMode.OFF:
                     self._remove_node(node, reason)
         if self.phase not in FORMING:
-            return None
+            return scale_up_at
         if not self._stores.ready():
             # torch is still importing in the background (many seconds on a loaded node): a
             # round formed now would block the event loop in new_store, heartbeats and SSH
             # keepalives unanswered (cc23, cc30: every agent of a job lost at once). Next tick.
             return None
-        waiting = self._waiting()
-        waiting += self._reserve(waiting)
+        waiting: list[NodeRecord] = []
+        if not self._short(self.waits):  # else: no pass over the nodes can find enough
+            waiting = self._waiting()
+            waiting += self._reserve(waiting)
+        if self._short(len(waiting)):
+            # Too few for a round: only the rendezvous timeout can be due, and it needs no
+            # pass over the nodes (a step per join while 16,384 agents come in: quadratic).
+            decision = decide(
+                params=self.params,
+                waiting=(),
+                alive=0,
+                opened_at=self._opened_at,
+                now=self.clock(),
+            )
+            return self.apply(d.form_round(decision, params=self.params, needs_netcheck=False))
         ids = {n.agent_id for n in waiting}  # not `n in waiting`: quadratic at 16k nodes
         decision = decide(
             params=self.params,
@@ -445,6 +527,11 @@ class Job:
             run_id=self.config.job_id,
         )
         names = [r.node for r in ranked]
+        # A scale-up put off to a checkpoint (or taken in by a fault's round meanwhile).
+        since, self._deferred_since = self._deferred_since, None
+        deferred: dict[str, Any] = {"deferred": since is not None}
+        if since is not None:
+            deferred["deferred_s"] = round(self.clock() - since, 3)
         for rank, (r, assignment) in enumerate(zip(ranked, assignments, strict=True)):
             rec = self.nodes[r.agent_id]
             rec.state, rec.rank, rec.round = NodeState.ACTIVE, rank, self.round
@@ -452,7 +539,13 @@ class Job:
             if rec.waiter is not None and not rec.waiter.done():
                 rec.waiter.set_result(assignment)
             if not first_round and rec.agent_id not in previous:
-                self.emit(EventName.NODE_ADMITTED, node=rec.node, node_rank=rank, round=self.round)
+                self.emit(
+                    EventName.NODE_ADMITTED,
+                    node=rec.node,
+                    node_rank=rank,
+                    round=self.round,
+                    **deferred,
+                )
         for rec in self.nodes.values():  # not chosen: hot spares keep waiting
             if rec.state is NodeState.ACTIVE and rec.round != self.round:
                 rec.state = NodeState.WAITING

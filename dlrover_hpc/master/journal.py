@@ -12,15 +12,29 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from dlrover_hpc.events import EventName
 
 log = logging.getLogger(__name__)
 
 
+def _line(obj: dict[str, Any]) -> bytes:
+    """``obj`` as one JSON line; orjson (a sixth of json's time: a line per agent's join, 16,384
+    in a rendezvous), json for what orjson refuses (integers past 64 bits)."""
+    try:
+        return orjson.dumps(obj, default=str, option=_ORJSON_LINE)
+    except (TypeError, orjson.JSONEncodeError):
+        return (json.dumps(obj, separators=(",", ":"), default=str) + "\n").encode()
+
+
+_ORJSON_LINE = orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE
+
+
 def _append_line(path: Path, obj: dict[str, Any]) -> int:
     """One write(2) per line with O_APPEND, so concurrent writers never interleave a line;
     returns its bytes."""
-    data = (json.dumps(obj, separators=(",", ":"), default=str) + "\n").encode()
+    data = _line(obj)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
         os.write(fd, data)

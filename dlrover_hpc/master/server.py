@@ -12,6 +12,7 @@ import logging
 import os
 import resource
 import socket
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -164,6 +165,7 @@ class MasterServer:
         )
         self._writers: dict[str, asyncio.StreamWriter] = {}
         self._server: asyncio.base_events.Server | None = None
+        self._listener_link_timeout = False  # accepted connections inherit the link timeout
         self._tasks: set[asyncio.Task[Any]] = set()
         self.port = 0
         self.hangs = HangWatch(self.job, self.push, job_dir)
@@ -257,8 +259,21 @@ class MasterServer:
         raise_open_files_limit(self.config.nnodes.max)
         quiet_collector()
         self._server = await asyncio.start_server(
-            self._connection, self.config.host, self.config.port, limit=wire.MAX_FRAME, backlog=4096
+            self._connection,
+            self.config.host,
+            self.config.port,
+            limit=wire.MAX_FRAME,
+            backlog=4096,
+            start_serving=False,
         )
+        # Set on the listening sockets, the link timeout is every accepted connection's from
+        # the kernel (Linux copies keepalive and TCP_USER_TIMEOUT into them): five fewer
+        # system calls per agent, 16,384 of them in a rendezvous.
+        self._listener_link_timeout = sys.platform == "linux" and all(
+            set_link_timeout(sock, self.config.link_timeout_in_use_s, peer="listening")
+            for sock in self._server.sockets
+        )
+        await self._server.start_serving()
         self.port = self._server.sockets[0].getsockname()[1]
         if self.config.metrics_port:
             collector = metrics.JobCollector(self.job, self.observer, self.agents.steps)
@@ -323,7 +338,9 @@ class MasterServer:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         # A cut link sends no FIN: keepalive and TCP_USER_TIMEOUT make it an error in time.
-        set_link_timeout(writer.get_extra_info("socket"), self.config.link_timeout_s, peer=peer)
+        if not self._listener_link_timeout:  # else: the listening socket's, inherited
+            sock = writer.get_extra_info("socket")
+            set_link_timeout(sock, self.config.link_timeout_in_use_s, peer=peer)
         agent_ids: set[str] = set()
         timed_out = False
         try:
@@ -362,9 +379,8 @@ class MasterServer:
         wire.write_frame(writer, wire.Frame(type="challenge", body={"nonce": nonce}))
         try:
             await writer.drain()
-            answer = await asyncio.wait_for(
-                wire.read_frame(reader, limit=wire.MAX_AUTH_FRAME), AUTH_TIMEOUT_S
-            )
+            async with asyncio.timeout(AUTH_TIMEOUT_S):  # not wait_for: no task per agent
+                answer = await wire.read_frame(reader, limit=wire.MAX_AUTH_FRAME)
         except (TimeoutError, EOFError, ProtocolError, ConnectionError) as exc:
             log.warning("connection refused peer=%s reason=no valid auth answer (%s)", peer, exc)
             return False

@@ -49,9 +49,9 @@ class MasterClient:
         """Connect and authenticate.  ``link_timeout_s``: a master silent for this long (a cut
         link) fails the connection (TCP keepalive, TCP_USER_TIMEOUT); None leaves the kernel's
         defaults (then only request timeouts notice it)."""
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, limit=wire.MAX_FRAME), timeout_s
-        )
+        # asyncio.timeout, not wait_for: no task of its own per call (16,384 agents connect)
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(host, port, limit=wire.MAX_FRAME)
         if link_timeout_s is not None:
             set_link_timeout(writer.get_extra_info("socket"), link_timeout_s, peer=f"{host}:{port}")
         try:
@@ -60,6 +60,11 @@ class MasterClient:
             writer.close()
             raise
         return cls(reader, writer, pushes)
+
+    def set_link_timeout(self, link_timeout_s: float) -> None:
+        """Change this connection's link timeout (the master told a longer one)."""
+        sock = self._writer.get_extra_info("socket")
+        set_link_timeout(sock, link_timeout_s, peer=self._writer.get_extra_info("peername"))
 
     async def _read_loop(self) -> None:
         error: BaseException = ConnectionError("connection to the master closed")
@@ -105,7 +110,8 @@ class MasterClient:
                 raise
             raise ConnectionError(f"connection to the master lost: {exc}") from exc
         try:
-            reply = await asyncio.wait_for(fut, timeout_s)
+            async with asyncio.timeout(timeout_s):
+                reply = await fut
         except TimeoutError:
             raise TimeoutError(
                 f"the master did not answer {message.TYPE!r} within {timeout_s:.0f} s"

@@ -79,6 +79,9 @@ class JoinReply(Message):
     #: a round has formed before: this agent joins a running job (a spare, a replacement,
     #: a relaunch), not the job's first rendezvous
     job_running: bool = False
+    #: the link timeout the master uses for this job's connections (longer in a large job:
+    #: ``MasterConfig.link_timeout_in_use_s``); 0: the agent keeps its own
+    link_timeout_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

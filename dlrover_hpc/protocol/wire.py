@@ -109,7 +109,8 @@ async def client_handshake(
 ) -> None:
     """Answer the server's challenge; raises AuthError if the server refuses the token."""
     try:
-        challenge = await asyncio.wait_for(read_frame(reader), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            challenge = await read_frame(reader)
     except EOFError:  # an OSError, as a refused connection is: the callers report both alike
         raise ConnectionResetError(
             "the master closed the connection before its challenge (ending, or restarting)"
@@ -121,7 +122,8 @@ async def client_handshake(
     )
     await writer.drain()
     try:
-        answer = await asyncio.wait_for(read_frame(reader), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            answer = await read_frame(reader)
     except EOFError:
         raise AuthError("the master closed the connection: the job token was refused") from None
     if answer.type != "auth_ok":

@@ -26,7 +26,12 @@ from pathlib import Path
 
 import pytest
 
-from dlrover_hpc.config import DEFAULT_LINK_TIMEOUT_S, MasterConfig, NodeRange
+from dlrover_hpc.config import (
+    DEFAULT_LINK_TIMEOUT_S,
+    KEEPALIVE_LINK_TIMEOUT_S,
+    MasterConfig,
+    NodeRange,
+)
 from dlrover_hpc.master.nodes import NodeState
 from dlrover_hpc.master.server import MasterServer
 from dlrover_hpc.protocol import messages as m
@@ -307,6 +312,57 @@ def test_link_ticks_stop_past_a_rate(
 ) -> None:
     config = MasterConfig(nnodes=NodeRange.parse(nodes), link_timeout_s=link_timeout_s)
     assert config.link_tick_s == tick_s
+
+
+@pytest.mark.parametrize(
+    ("link_timeout_s", "nodes", "in_use_s"),
+    [
+        (1.0, "2:256", 1.0),  # ticks keep data in flight: the flag's value
+        (1.0, "257", KEEPALIVE_LINK_TIMEOUT_S),  # keepalive alone: two probes at least
+        (1.0, "16384", KEEPALIVE_LINK_TIMEOUT_S),
+        (2.0, "600", KEEPALIVE_LINK_TIMEOUT_S),
+        (3.0, "768", 3.0),  # ticks again, at its own value
+        (5.0, "16384", 5.0),  # longer than the floor: kept
+    ],
+)
+def test_a_job_too_large_for_ticks_gets_a_longer_link_timeout(
+    link_timeout_s: float, nodes: str, in_use_s: float
+) -> None:
+    config = MasterConfig(nnodes=NodeRange.parse(nodes), link_timeout_s=link_timeout_s)
+    assert config.link_timeout_in_use_s == in_use_s
+
+
+def test_a_large_jobs_link_timeout_is_on_both_ends(tmp_path: Path) -> None:
+    """Past the ticks' rate, the master's accepted connections get the longer timeout from
+    its listening socket, and an agent takes it from its JoinReply (a 1 s keepalive is one
+    probe: 16,384 agents lost thousands of connections to probes dropped in a burst)."""
+    if not hasattr(socket, "TCP_USER_TIMEOUT"):
+        pytest.skip("this platform lacks TCP_USER_TIMEOUT")
+
+    def user_timeout_ms(sock: socket.socket) -> int:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+
+    async def body() -> None:
+        config = MasterConfig(
+            host="127.0.0.1", port=0, job_dir=str(tmp_path), nnodes=NodeRange.parse("2:4096")
+        )
+        server = MasterServer(config, token=TOKEN, job_dir=tmp_path, stores=_NoStores())
+        port = await server.start()
+        client = await MasterClient.connect("127.0.0.1", port, token=TOKEN)
+        mine = client._writer.get_extra_info("socket")
+        assert user_timeout_ms(mine) == DEFAULT_LINK_TIMEOUT_S * 1000
+        reply = await client.request(
+            m.Join(node="n1", addr="n1", nproc=1), m.JoinReply, timeout_s=5
+        )
+        assert reply.link_timeout_s == KEEPALIVE_LINK_TIMEOUT_S
+        accepted = server._writers[reply.agent_id].get_extra_info("socket")
+        assert user_timeout_ms(accepted) == KEEPALIVE_LINK_TIMEOUT_S * 1000
+        client.set_link_timeout(reply.link_timeout_s)  # what the agent does with it
+        assert user_timeout_ms(mine) == KEEPALIVE_LINK_TIMEOUT_S * 1000
+        await client.close()
+        await server.close()
+
+    asyncio.run(body())
 
 
 def test_master_ticks_its_agents_and_the_client_drops_the_ticks(tmp_path: Path) -> None:
