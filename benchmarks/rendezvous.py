@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import resource
 import secrets
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,10 @@ from dlrover_hpc.config import DEFAULT_LINK_TIMEOUT_S
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol import wire
 from dlrover_hpc.protocol.client import MasterClient
+from dlrover_hpc.protocol.keepalive import set_link_timeout
 from dlrover_hpc.protocol.loop import loop_factory, name
+
+_HEADER = struct.Struct(">I")
 
 GOALS_S = {1024: 2.0, 8192: 15.0, 16384: 5.0}  # 16,384: issue 29
 
@@ -37,7 +43,8 @@ def _raise_fd_limit(need: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, need), hard))
 
 
-async def _agent(port: int, token: str, i: int, sem: asyncio.Semaphore) -> tuple[int, MasterClient]:
+async def _agent(port: int, token: str, i: int, sem: asyncio.Semaphore) -> tuple[int, Any]:
+    """One agent on the real client (``--streams``): what dlrover-run's agent runs."""
     async with sem:  # bounded concurrent connects, as a real fan-in would be
         # The link timeout once, the master's (an agent sets its own, then the master's).
         client = await MasterClient.connect(
@@ -55,14 +62,114 @@ async def _agent(port: int, token: str, i: int, sem: asyncio.Semaphore) -> tuple
     return assignment.node_rank, client
 
 
-async def rendezvous(n: int, port: int, token: str) -> float:
+class _Frames(asyncio.Protocol):
+    """Length-prefixed frames off a connection, parsed in ``data_received``: a simulated agent
+    without a stream reader, a read task and a future per request (the real client's cost is
+    the agents', one per node, not the master's)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        while len(self._buf) >= 4:
+            (length,) = _HEADER.unpack_from(self._buf)
+            if len(self._buf) < 4 + length:
+                return
+            frame = wire.decode(bytes(self._buf[4 : 4 + length]))
+            del self._buf[: 4 + length]
+            self.frame(frame)
+
+    def send(self, frame: wire.Frame) -> None:
+        assert self.transport is not None
+        self.transport.write(wire.encode(frame))
+
+    def frame(self, frame: wire.Frame) -> None:
+        raise NotImplementedError
+
+
+class _LeanAgent(_Frames):
+    """An agent's rendezvous on the real wire: the HMAC handshake, Join, WaitRound."""
+
+    def __init__(self, i: int, token: str, joined: asyncio.Future, ranked: asyncio.Future):
+        super().__init__()
+        self.i, self.token, self.joined, self.ranked = i, token, joined, ranked
+
+    def frame(self, frame: wire.Frame) -> None:
+        if frame.type == "challenge":
+            digest = wire.auth_digest(self.token, frame.body["nonce"])
+            self.send(wire.Frame(type="auth", body={"digest": digest}))
+        elif frame.type == "auth_ok":
+            node = f"node{self.i:05d}"
+            join = m.Join(node=node, addr=node, nproc=8, slurm_node_id=self.i)
+            self.send(m.to_frame(join, frame_id=1))
+        elif frame.type == m.JoinReply.TYPE:
+            reply = m.from_frame(frame)
+            assert isinstance(reply, m.JoinReply)
+            sock = self.transport.get_extra_info("socket") if self.transport else None
+            set_link_timeout(sock, max(reply.link_timeout_s, DEFAULT_LINK_TIMEOUT_S))
+            self.send(m.to_frame(m.WaitRound(agent_id=reply.agent_id, after_round=0), frame_id=2))
+            self.joined.set_result(None)
+        elif frame.type == m.Assignment.TYPE and not self.ranked.done():
+            assignment = m.from_frame(frame)
+            assert isinstance(assignment, m.Assignment)
+            self.ranked.set_result(assignment.node_rank)
+        elif frame.type != m.LinkTick.TYPE:
+            raise AssertionError(f"agent {self.i}: unexpected {frame.type!r}: {frame.body}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for fut in (self.joined, self.ranked):
+            if not fut.done():
+                fut.set_exception(ConnectionError(f"agent {self.i}: connection lost: {exc}"))
+
+
+#: Linux's IP_BIND_ADDRESS_NO_PORT (not in Python's socket module): the port is chosen at
+#: connect, for the whole 4-tuple.
+_IP_BIND_ADDRESS_NO_PORT = 24
+
+
+async def _connect(i: int, port: int, factory: Callable[[], asyncio.Protocol]) -> Any:
+    """Agent ``i``'s connection to 127.0.0.1:``port`` from an address of its own in 127/8, 250
+    agents an address, as agents on their own nodes connect: from one address, 16,384
+    connections spend most of the ephemeral ports, and the kernel's search for a free one
+    made the agents' side quadratic (3 s of system time at 16,384, 0.7 s at 8,192)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.IPPROTO_IP, _IP_BIND_ADDRESS_NO_PORT, 1)
+        sock.bind((f"127.{1 + i // 62500}.{i // 250 % 250}.{i % 250 + 1}", 0))
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+    except BaseException:
+        sock.close()
+        raise
+    transport, _ = await loop.create_connection(factory, sock=sock)
+    return transport
+
+
+async def _lean_agent(port: int, token: str, i: int, sem: asyncio.Semaphore) -> tuple[int, Any]:
+    loop = asyncio.get_running_loop()
+    joined, ranked = loop.create_future(), loop.create_future()
+    async with sem:  # bounded concurrent joins, as a real fan-in would be
+        transport = await _connect(i, port, lambda: _LeanAgent(i, token, joined, ranked))
+        await joined
+    return await ranked, transport
+
+
+async def rendezvous(n: int, port: int, token: str, *, streams: bool) -> float:
     sem = asyncio.Semaphore(512)
+    agent = _agent if streams else _lean_agent
     t0 = time.perf_counter()
-    results = await asyncio.gather(*[_agent(port, token, i, sem) for i in range(n)])
+    results = await asyncio.gather(*[agent(port, token, i, sem) for i in range(n)])
     took = time.perf_counter() - t0
     ranks = sorted(r for r, _ in results)
     assert ranks == list(range(n)), "every agent must get a distinct node rank"
-    await asyncio.gather(*[c.close() for _, c in results])
+    for _, conn in results:
+        conn.close()
     return took
 
 
@@ -95,8 +202,22 @@ with asyncio.Runner(loop_factory=loop_factory()) as runner:
 """
 
 
-async def baseline(n: int) -> float:
-    """N connections, one framed request and answer each: the transport's floor."""
+class _Ping(_Frames):
+    def __init__(self, answered: asyncio.Future) -> None:
+        super().__init__()
+        self.answered = answered
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.send(wire.Frame(type="ping", id=1))
+
+    def frame(self, frame: wire.Frame) -> None:
+        self.answered.set_result(None)
+
+
+async def baseline(n: int, *, streams: bool) -> float:
+    """N connections, one framed request and answer each: the transport's floor, on the
+    agents' client (``streams``: asyncio's streams, else the lean protocol)."""
     server = subprocess.Popen(
         [sys.executable, "-c", _BASELINE_SERVER],
         stdin=subprocess.PIPE,
@@ -108,8 +229,13 @@ async def baseline(n: int) -> float:
         port = int(server.stdout.readline())
         sem = asyncio.Semaphore(512)
 
-        async def one(i: int) -> asyncio.StreamWriter:
+        async def one(i: int) -> Any:
             async with sem:
+                if not streams:
+                    answered = asyncio.get_running_loop().create_future()
+                    transport = await _connect(i, port, lambda: _Ping(answered))
+                    await answered
+                    return transport
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 wire.write_frame(writer, wire.Frame(type="ping", id=i))
                 await writer.drain()
@@ -129,14 +255,19 @@ async def baseline(n: int) -> float:
 def _run(coro: Coroutine[Any, Any, float]) -> float:
     """The simulated agents' side on the master's loop (uvloop where installed): the agents'
     process shares the two cores with the master, and its cost is the harness's, not ours."""
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        return runner.run(coro)
+    gc.disable()  # the harness's own garbage: 16,384 agents' objects, scanned again and again
+    try:
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            return runner.run(coro)
+    finally:
+        gc.enable()
 
 
-def _cpu_s(pid: int) -> float:
-    """The CPU seconds (user and system) process ``pid`` has used."""
+def _cpu_s(pid: int, *, system: bool = False) -> float:
+    """The CPU seconds (user and system; ``system``: the kernel's only) ``pid`` has used."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = int(fields[12]) + (0 if system else int(fields[11]))
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _wait_idle(pid: int, *, timeout_s: float = 60.0) -> None:
@@ -153,7 +284,7 @@ def _wait_idle(pid: int, *, timeout_s: float = 60.0) -> None:
     raise RuntimeError(f"the master (pid {pid}) did not settle in {timeout_s:g} s")
 
 
-def run_one(n: int) -> dict:
+def run_one(n: int, *, streams: bool) -> dict:
     token = secrets.token_hex(16)
     with tempfile.TemporaryDirectory() as job_dir:
         env = {**os.environ, "DLROVER_HPC_TOKEN": token, "DLROVER_HPC_LOG_LEVEL": "WARNING"}
@@ -182,13 +313,16 @@ def run_one(n: int) -> dict:
             port = json.loads(info_path.read_text())["port"]
             _wait_idle(master.pid)
             cpu_before, fleet_before = _cpu_s(master.pid), _cpu_s(os.getpid())
-            took = _run(rendezvous(n, port, token))
+            sys_before = _cpu_s(master.pid, system=True), _cpu_s(os.getpid(), system=True)
+            took = _run(rendezvous(n, port, token, streams=streams))
             master_cpu = _cpu_s(master.pid) - cpu_before
             fleet_cpu = _cpu_s(os.getpid()) - fleet_before
+            master_sys = _cpu_s(master.pid, system=True) - sys_before[0]
+            fleet_sys = _cpu_s(os.getpid(), system=True) - sys_before[1]
         finally:
             master.terminate()
             master.wait(30)
-    base = _run(baseline(n))
+    base = _run(baseline(n, streams=streams))
     return {
         "agents": n,
         "rendezvous_s": round(took, 3),
@@ -196,6 +330,8 @@ def run_one(n: int) -> dict:
         "ratio_to_transport": round(took / base, 2),
         "master_cpu_s": round(master_cpu, 3),  # the master's own share of the rendezvous
         "agents_cpu_s": round(fleet_cpu, 3),  # the simulated agents' (this process)
+        "master_kernel_s": round(master_sys, 3),  # of which in the kernel (TCP, epoll)
+        "agents_kernel_s": round(fleet_sys, 3),
         "goal_s": GOALS_S.get(n),
         "meets_goal": took <= GOALS_S[n] if n in GOALS_S else None,
     }
@@ -204,13 +340,25 @@ def run_one(n: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--agents", type=int, nargs="+", default=[64, 1024, 8192])
+    p.add_argument(
+        "--streams",
+        action="store_true",
+        help="simulate the agents with the agents' real client (asyncio streams, a read task "
+        "each): the rendezvous is then bound by the simulation's own CPU on this machine",
+    )
     args = p.parse_args()
     _raise_fd_limit(max(args.agents) + 512)  # the agents' side; master and server: their own
-    results = [run_one(n) for n in args.agents]
+    results = [run_one(n, streams=args.streams) for n in args.agents]
     loop = name(loop_factory())  # the master's and the baseline server's
     print(
         json.dumps(
-            {"bench": "rendezvous", "cpus": os.cpu_count(), "event_loop": loop, "results": results}
+            {
+                "bench": "rendezvous",
+                "cpus": os.cpu_count(),
+                "event_loop": loop,
+                "agents_client": "streams" if args.streams else "protocol",
+                "results": results,
+            }
         )
     )
 

@@ -41,10 +41,15 @@ class Frame:
 
 
 def encode(frame: Frame) -> bytes:
-    payload = json.dumps(
-        {"v": VERSION, "type": frame.type, "id": frame.id, "body": frame.body},
-        separators=(",", ":"),
-    ).encode()
+    obj = {"v": VERSION, "type": frame.type, "id": frame.id, "body": frame.body}
+    try:
+        payload = orjson.dumps(obj)  # a sixth of json's time: four frames per agent's join
+    except TypeError:  # an integer past 64 bits, a key that is not a string
+        payload = b"null"
+    if b"null" in payload:
+        # orjson writes NaN and Infinity as null, which a float field refuses: json writes
+        # them as a peer reads them back (a None, and a push's id, are null either way).
+        payload = json.dumps(obj, separators=(",", ":")).encode()
     if len(payload) > MAX_FRAME:
         raise ProtocolError(f"frame of {len(payload)} bytes exceeds the {MAX_FRAME} byte limit")
     return _HEADER.pack(len(payload)) + payload

@@ -100,6 +100,9 @@ def test_survivors_keep_their_processes_through_a_worker_kill_and_a_node_loss(
                 assert started["pids"] == rounds[before][node]["pids"], (now, node)
     if len(order) == 4:
         assert set(rounds[order[3]]) == {"node1", "node2", "node4"}
+        # It waited for the next step every rank saved: the restart that took it in redid none.
+        [admitted] = named(evs, "node_admitted")
+        assert admitted["node"] == "node4" and admitted["deferred"] is True, admitted
     assert "in-process restart" in out, out[-4000:]
 
     # Every step trained; a restart goes back to the newest step in memory (saved every step).
