@@ -149,7 +149,9 @@ class SimAgent:
                 rank=self.rank_offset + r,
                 step=step,
                 stalled_s=round((now - self.fleet.t0) % STEP_S, 3),
-                at=self.fleet.t0 + step * STEP_S,
+                # the wall clock of that step: in a compressed run, compressed too (the report
+                # takes the job's step time from these, its wall from the events' times)
+                at=self.fleet.t0 + step * STEP_S / self.fleet.compress,
                 p99_s=STEP_S * 1.1,
                 compute_s=0.3 + 0.001 * r,
                 wait_s=0.2,
