@@ -581,10 +581,9 @@ class HangWatch:
         the next commit (which, on a slow node, may be many slow steps away)."""
         if self._swap is None:
             return  # no pass over every rank's record (32,768 at 4,096 nodes) twice a second
-        world = sum(n.nproc for n in self.job.participants())
-        saved = [s.progress.saved_step for s in self._seen.values()]
-        if len(saved) >= world > 0 and min(saved) > self._swap_after:
-            self._swap_now(f"every rank saved step {min(saved)} or later to memory")
+        steps = self.saved_steps()
+        if steps is not None and steps[0] > self._swap_after:
+            self._swap_now(f"every rank saved step {steps[0]} or later to memory")
 
     def _swap_now(self, why: str) -> None:
         node, self._swap = self._swap, None

@@ -347,7 +347,7 @@ class Job:
         )
         if why is None:
             return min(wait.since + limit, now + SCALE_UP_POLL_S)
-        self._deferred_since = wait.since
+        # open_round hands the wait's start on to the round's node_admitted
         reason = actions[0].reason if isinstance(actions[0], d.OpenRound) else "scale up"
         self.apply(
             [d.OpenRound(Phase.RENDEZVOUS, f"{reason} (deferred {now - wait.since:.1f} s: {why})")]
