@@ -274,14 +274,15 @@ class MasterConfig:
 
     @property
     def link_tick_s(self) -> float | None:
-        """How often the master writes a tick to every agent: a quarter of ``link_timeout_s``
-        (0.25 s by default), so that a cut link always has data unacknowledged and fails
-        within ``link_timeout_s`` plus a tick.  None (no ticks) where that would be more than
-        :data:`LINK_TICKS_PER_S` writes a second (past 256 nodes by default): there the
-        kernel's keepalive probes, whole seconds apart, find a cut link within
-        ``link_timeout_s`` plus a second."""
-        every = self.link_timeout_s / 4
-        return every if self.nnodes.max / every <= LINK_TICKS_PER_S else None
+        """How often the master writes a tick to every agent, so that a cut link always has
+        data unacknowledged and fails within ``link_timeout_s`` plus a tick: a tenth of
+        ``link_timeout_s`` (0.1 s by default), or as often as :data:`LINK_TICKS_PER_S` writes
+        a second allow (past 102 nodes by default), down to a quarter of it.  None (no ticks)
+        where even that would be more writes (past 256 nodes by default): there the kernel's
+        keepalive probes, whole seconds apart, find a cut link within ``link_timeout_s`` plus
+        a second."""
+        every = max(self.link_timeout_s / 10, self.nnodes.max / LINK_TICKS_PER_S)
+        return every if every <= self.link_timeout_s / 4 else None
 
     @property
     def heartbeat_silence_s(self) -> float:

@@ -448,7 +448,7 @@ class Agent:
                 return True
             if self.workers.poll() is not None:  # one ended instead
                 break
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.005)  # the round forms once every survivor has left
         late = [r for r in records if membership.left(r) < leave.round]
         log.warning(
             "workers did not leave round=%d in-process: ending them; %s",

@@ -35,7 +35,7 @@ from dlrover_hpc.master.replace import Replacer
 from dlrover_hpc.master.stores import TorchStores
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol import wire
-from dlrover_hpc.protocol.keepalive import set_link_timeout
+from dlrover_hpc.protocol.keepalive import set_link_timeout, unacknowledged_s
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +164,7 @@ class MasterServer:
             mode=config.drain, job_id=config.job_id, job_dir=job_dir, events=self.events
         )
         self._writers: dict[str, asyncio.StreamWriter] = {}
+        self._silent_links: set[asyncio.StreamWriter] = set()  # closed by _link_ticks
         self._server: asyncio.base_events.Server | None = None
         self._listener_link_timeout = False  # accepted connections inherit the link timeout
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -366,6 +367,9 @@ class MasterServer:
             # The keepalive / user timeout gave up: the link was silent for --link-timeout.
             timed_out = isinstance(exc, OSError) and exc.errno in _LINK_ERRNOS
         finally:
+            if writer in self._silent_links:  # the ticks found it silent for --link-timeout
+                self._silent_links.discard(writer)
+                timed_out = True
             for agent_id in agent_ids:
                 if self._writers.get(agent_id) is writer:
                     del self._writers[agent_id]
@@ -465,14 +469,30 @@ class MasterServer:
 
     async def _link_ticks(self, every_s: float) -> None:
         """A tick to every agent each ``every_s``: a cut link then always has bytes in flight,
-        and fails TCP_USER_TIMEOUT ``link_timeout_s`` after the cut (the survivors' collectives
-        wait that long), not at the keepalive's next whole-second probe."""
+        not only at the keepalive's next whole-second probe.  Before each tick, a link whose
+        peer has acknowledged nothing for ``link_timeout_s`` while data waits is closed as
+        timed out (the survivors' collectives wait that long): the kernel's TCP_USER_TIMEOUT
+        would fail it one retransmission timeout later (:func:`unacknowledged_s`)."""
         tick = wire.encode(m.to_frame(m.LinkTick()))
+        timeout_s = self.config.link_timeout_in_use_s
         while True:
             await asyncio.sleep(every_s)
             for writer in set(self._writers.values()):
+                if writer.is_closing():
+                    continue
+                silent_s = unacknowledged_s(writer.get_extra_info("socket"))
+                if silent_s is not None and silent_s >= timeout_s:
+                    log.warning(
+                        "link silent peer=%s unacknowledged_s=%.2f link_timeout_s=%g: closing",
+                        writer.get_extra_info("peername"),
+                        silent_s,
+                        timeout_s,
+                    )
+                    self._silent_links.add(writer)
+                    writer.transport.abort()  # its reader ends; its agent is lost at once
+                    continue
                 # Bytes still queued here: the kernel has data in flight already.
-                if not writer.is_closing() and not writer.transport.get_write_buffer_size():
+                if not writer.transport.get_write_buffer_size():
                     writer.write(tick)
 
     async def _lease(self) -> None:

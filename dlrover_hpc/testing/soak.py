@@ -124,11 +124,17 @@ def run_soak(
     finally:
         chaos.cleanup()
     lines = [line.split() for line in timing.read_text().splitlines() if line.strip()]
-    report = analyze(_events(job_dir), [(float(t), int(s)) for t, s in lines], chaos.log).as_dict()
+    events = _events(job_dir)
+    report = analyze(events, [(float(t), int(s)) for t, s in lines], chaos.log).as_dict()
+    began = next((e["time"] for e in events if e["event"] == "job_started"), started)
     report.update(
         job=job,
         job_state=job_state(job),
-        faults=[{"kind": f["kind"], "node": f["node"]} for f in chaos.log],
+        # when each hit, in the seconds of the stalls' "start" (from the job's start)
+        faults=[
+            {"at": round(f["time"] - began, 2), "kind": f["kind"], "node": f["node"]}
+            for f in chaos.log
+        ],
         max_stall_s=max(s["seconds"] for s in report["stalls"][1:]) if report["stalls"][1:] else 0,
         final_step=steps,
         completed=(work / "result.json").exists(),

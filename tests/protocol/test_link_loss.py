@@ -37,7 +37,7 @@ from dlrover_hpc.master.server import MasterServer
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol import wire
 from dlrover_hpc.protocol.client import MasterClient
-from dlrover_hpc.protocol.keepalive import LinkTimeouts, link_timeouts
+from dlrover_hpc.protocol.keepalive import LinkTimeouts, link_timeouts, unacknowledged_s
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -191,20 +191,66 @@ async def measure_detection(
 
 # ------------------------------------------------------------------------------- tests
 @needs_root
-def test_cut_link_is_noticed_within_seconds(tmp_path: Path) -> None:
+def test_cut_link_is_noticed_within_seconds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("WARNING", logger="dlrover_hpc.master.server")
     found = asyncio.run(measure_detection(tmp_path))
     print(
         f"cut link: master's connection failed after {found.error_s:.2f} s, "
         f"node lost after {found.lost_s:.2f} s (link timeout {DEFAULT_LINK_TIMEOUT_S:g} s)"
     )
     assert found.reason == "link timed out", found
-    # The connection fails and the node is lost as soon as TCP gives up (no reconnect grace,
-    # no wait for the liveness tick): the master's ticks keep data in flight, so that is the
-    # 1 s link timeout after the first tick past the cut (0.25 s), not a whole-second
-    # keepalive probe later; with a second of slack for a loaded machine, far below the 15 s
-    # heartbeat timeout.  The exact figures are benchmarks/link_loss.py's.
+    # The master's ticks found the link silent (nothing acknowledged for the link timeout),
+    # before the kernel's TCP_USER_TIMEOUT, which counts from the first retransmission.
+    assert "link silent" in caplog.text, caplog.text
+    # The connection fails and the node is lost as soon as the link has been silent for the
+    # 1 s link timeout (no reconnect grace, no wait for the liveness tick), plus a tick
+    # (0.1 s); with a second of slack for a loaded machine, far below the 15 s heartbeat
+    # timeout.  The exact figures are benchmarks/link_loss.py's.
     assert found.error_s is not None and found.error_s < 2.5, found
     assert found.lost_s < 2.5, found
+
+
+@needs_root
+def test_unacknowledged_time_counts_from_the_last_acknowledgement() -> None:
+    """``unacknowledged_s`` reads 0 on a healthy link with data flowing, and once the link is
+    cut, the time since the peer's last acknowledgement, while the kernel (a 10 s
+    TCP_USER_TIMEOUT here) still holds the connection."""
+    peer = "import socket, sys\ns = socket.create_connection((sys.argv[1], int(sys.argv[2])))\n"
+    peer += "while s.recv(4096): pass\n"
+    with veth_namespace() as link, socket.create_server((link.host_addr, 0)) as listener:
+        port = str(listener.getsockname()[1])
+        argv = ["ip", "netns", "exec", link.netns, sys.executable, "-c", peer]
+        proc = subprocess.Popen([*argv, link.host_addr, port])
+        try:
+            listener.settimeout(30)
+            conn, _ = listener.accept()
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 10_000)
+                healthy = []
+                for _ in range(20):
+                    conn.sendall(b"tick")
+                    time.sleep(0.05)
+                    healthy.append(unacknowledged_s(conn))
+                assert all(v is not None and v < 0.5 for v in healthy), healthy
+                _ip("-n", link.netns, "link", "set", "eth0", "down")
+                cut = time.monotonic()
+                seen = []
+                while time.monotonic() - cut < 1.5:
+                    conn.sendall(b"tick")
+                    time.sleep(0.05)
+                    seen.append((time.monotonic() - cut, unacknowledged_s(conn)))
+                # Nothing acknowledged since just before the cut: the reading grows with the
+                # time since it, to 1.5 s, and the kernel has not given up on the connection.
+                last_s, last = seen[-1]
+                assert last is not None and last_s - 0.5 <= last <= last_s + 0.5, seen
+                assert all(v is not None for _, v in seen), seen
+                assert [v for _, v in seen] == sorted(v for _, v in seen if v is not None), seen
+                conn.sendall(b"still open")  # no error: the 10 s user timeout is far off
+        finally:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.parametrize(
@@ -299,12 +345,14 @@ def test_link_timeout_flag_is_checked(tmp_path: Path, argv: list[str], message: 
 @pytest.mark.parametrize(
     ("link_timeout_s", "nodes", "tick_s"),
     [
-        (1.0, "4", 0.25),
-        (1.0, "2:256", 0.25),  # 1,024 ticks a second: the most
+        (1.0, "4", 0.1),  # a tenth of the timeout
+        (1.0, "2:102", 0.1),
+        (1.0, "2:200", 200 / 1024),  # 1,024 ticks a second: the most
+        (1.0, "2:256", 0.25),  # a quarter of the timeout: the longest
         (1.0, "257", None),  # past it the keepalive probes alone
         (3.0, "768", 0.75),
         (3.0, "769", None),
-        (0.5, "2:8", 0.125),
+        (0.5, "2:8", 0.05),
     ],
 )
 def test_link_ticks_stop_past_a_rate(
@@ -393,7 +441,8 @@ def test_master_ticks_its_agents_and_the_client_drops_the_ticks(tmp_path: Path) 
         while time.monotonic() - started < 1.2:
             types.append((await asyncio.wait_for(wire.read_frame(reader), 1.0)).type)
         assert set(types) == {m.LinkTick.TYPE}, types
-        assert 3 <= len(types) <= 6, types  # every 0.25 s
+        assert config.link_tick_s == pytest.approx(0.1)
+        assert 7 <= len(types) <= 14, types  # every 0.1 s (0.25 s would be 4-5)
         assert not join.done() or join.exception() is None
         assert client.pushes.empty()  # the ticks it read were dropped, not queued
         writer.close()
