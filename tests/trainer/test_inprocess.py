@@ -109,6 +109,8 @@ class Workers:
                 "BACKEND": backend,
                 # NCCL refuses two ranks of one host on one GPU: each process a "host" of its own
                 "NCCL_HOSTID": f"inprocess-test-{rank}",
+                "NCCL_SOCKET_IFNAME": "lo",  # the round's store is on loopback: so are the peers
+                "NCCL_IB_DISABLE": "1",
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # as dlrover-run sets it
                 **(extra or {}),
             }
