@@ -40,6 +40,8 @@ class SockOpts(Protocol):
 
 
 class SockInfo(Protocol):
+    """What :func:`unacknowledged_s` needs of a socket (also uvloop's ``PseudoSocket``)."""
+
     def getsockopt(self, level: int, optname: int, buflen: int, /) -> bytes: ...
 
 

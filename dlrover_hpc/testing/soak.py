@@ -126,7 +126,7 @@ def run_soak(
     lines = [line.split() for line in timing.read_text().splitlines() if line.strip()]
     events = _events(job_dir)
     report = analyze(events, [(float(t), int(s)) for t, s in lines], chaos.log).as_dict()
-    began = next((e["time"] for e in events if e["event"] == "job_started"), started)
+    began = next(e["time"] for e in events if e["event"] == "job_started")  # analyze needs it too
     report.update(
         job=job,
         job_state=job_state(job),
