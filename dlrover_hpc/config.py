@@ -368,6 +368,8 @@ class RunConfig:
     hang_timeout_s: float = HANG_AUTO
     straggler_factor: float = DEFAULT_STRAGGLER_FACTOR  # 0: no forward timing
     requeue_by: RequeueBy = RequeueBy.DLROVER_HPC  # does Slurm's USR1 reach the workers?
+    #: what the agent does not put into its workers (names of dlrover_hpc.injections.ALL)
+    off: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         nnodes = self.nnodes

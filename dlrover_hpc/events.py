@@ -27,6 +27,11 @@ class EventName(StrEnum):
     NODE_RELAUNCHED = "node_relaunched"
     NODE_READMITTED = "node_readmitted"
     HANG_DETECTED = "hang_detected"  # no rank progressed for --hang-timeout
+    #: a rank still running after its peers finished training and one exited 0, blocked: stopped,
+    #: counted as succeeded (rank, node, stack)
+    EXIT_HANG = "exit_hang"
+    #: no step for the learned bound, but a rank computes (its CPU time grows): not restarted
+    PROGRESS_STALLED = "progress_stalled"
     STRAGGLER_DETECTED = "straggler_detected"  # a rank's forward is slow for a while
     NETCHECK_RESULT = "netcheck_result"
     NODE_DRAINED = "node_drained"

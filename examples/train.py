@@ -37,6 +37,13 @@ def main() -> None:
         "hardware fault, to demonstrate draining); hang: block for good without stopping (a "
         "deadlock: the others wait for it in their next all-reduce)",
     )
+    p.add_argument(
+        "--exit-hang-rank",
+        type=int,
+        default=-1,
+        help="this rank blocks for good after its last step and the process group's end (a "
+        "deadlock in a library's teardown: a hang at exit)",
+    )
     p.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step")
     p.add_argument("--result", default=None, help="rank 0 writes a JSON summary here")
     p.add_argument("--rank-log", default=None, help="each rank writes its placement here")
@@ -120,6 +127,8 @@ def main() -> None:
             )
     dist.barrier()
     dist.destroy_process_group()
+    if rank == args.exit_hang_rank:
+        threading.Event().wait()
 
 
 if __name__ == "__main__":

@@ -52,6 +52,13 @@ def main() -> None:
     p.add_argument("--eval-s", type=float, default=90.0, help="seconds each evaluation runs")
     p.add_argument("--loader-first-s", type=float, default=30.0, help="epoch 2's first batch")
     p.add_argument("--section-s", type=float, default=0.0, help="a marked section, in epoch 3")
+    p.add_argument(
+        "--busy-eval-at",
+        type=int,
+        default=0,
+        help="a step after which every rank evaluates without model.eval() (0: none)",
+    )
+    p.add_argument("--busy-eval-s", type=float, default=90.0, help="seconds it computes")
     p.add_argument("--persist-mb", type=int, default=1024, help="checkpoint size saved on exit")
     p.add_argument("--ckpt-dir", default="./ckpt-long-phases")
     p.add_argument("--result", default=None)
@@ -81,6 +88,9 @@ def main() -> None:
             if args.eval_every and step % args.eval_every == 0:
                 evaluate(net, args.eval_s)
                 evals += 1
+            if step == args.busy_eval_at:
+                busy_evaluate(model, args.busy_eval_s)
+                evals += 1
             if args.section_s and epoch == 2 and step % args.epoch_steps == 1:
                 with progress.section("export", timeout_s=args.section_s * 2 + 60):
                     time.sleep(args.section_s)  # e.g. exporting a model, on every rank
@@ -109,6 +119,18 @@ def evaluate(net: nn.Module, seconds: float) -> None:
             net.module(torch.randn(64, 32))
             time.sleep(0.02)
     net.train()
+    dist.barrier()
+
+
+def busy_evaluate(model: nn.Module, seconds: float) -> None:
+    """An evaluation as many scripts write it: forward passes under ``no_grad()`` on a busy
+    CPU for ``seconds``, without ``model.eval()`` (so no hook can tell it from training)."""
+    deadline = time.time() + seconds
+    head = nn.Linear(1024, 1024)  # one large layer: the stack stays on one line throughout
+    batch = torch.randn(1024, 1024)
+    with torch.no_grad():
+        while time.time() < deadline:
+            head(model[0].weight.sum() + batch)
     dist.barrier()
 
 

@@ -12,7 +12,7 @@ import socket
 import time
 from pathlib import Path
 
-from dlrover_hpc import membership
+from dlrover_hpc import injections, membership
 from dlrover_hpc.agent import promotion
 from dlrover_hpc.agent import watchdog as wd
 from dlrover_hpc.agent.decisions import Next, Outcome, on_assignment, round_outcome, round_over
@@ -66,7 +66,7 @@ def start_zygote(config: RunConfig) -> Zygote | None:
     it has one thread, when it imported torch already (``--standalone``: the master it hosts
     needs torch), before a master thread or the event loop's workers start; else a new
     interpreter that imports torch in the background."""
-    if config.no_python:
+    if config.no_python or injections.PREWARM.name in config.off:
         return None
     zygote = new_zygote()
     zygote.start(zygote_env(config), fork=True)
@@ -559,6 +559,9 @@ class Agent:
             elif isinstance(msg, m.StopAt):
                 log.warning("stop at step=%d: %s", msg.step, msg.reason)
                 self.watchdog.request_stop(StopNotice(msg.step, msg.deadline))
+            elif isinstance(msg, m.EndWorkers):
+                if local := self.workers.end(msg.ranks):
+                    log.warning("ending workers local_ranks=%s: %s", local, msg.reason)
             elif isinstance(msg, m.DumpStacks):
                 answer = self.watchdog.answer(self.link, self.agent_id, self.node, msg.request_id)
                 task = asyncio.create_task(answer)

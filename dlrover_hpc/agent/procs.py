@@ -200,6 +200,7 @@ class WorkerProcs:
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._failures: dict[int, ProcFailure] = {}
         self._running = set(range(nproc))
+        self._ended: set[int] = set()  # ended by end(): their exit is a success
         tee_sources: list[tuple[str, TextIO, str]] = []
         filtered = logs.local_ranks_filter
         try:
@@ -249,6 +250,16 @@ class WorkerProcs:
         self._capture()
         return ProcsResult(failures=dict(self._failures))
 
+    def end(self, local_ranks: Sequence[int]) -> None:
+        """SIGKILL these workers and count them as succeeded: they finished training and
+        hang at exit (the master's :class:`EndWorkers`)."""
+        for lr in local_ranks:
+            proc = self._procs.get(lr)
+            if proc is not None and lr in self._running:
+                self._ended.add(lr)
+                log.warning("ending worker hung at exit local_rank=%d pid=%d", lr, proc.pid)
+                _killpg(proc, signal.SIGKILL)
+
     def _capture(self) -> None:
         for lr in sorted(self._running):
             proc = self._procs[lr]
@@ -256,7 +267,7 @@ class WorkerProcs:
             if code is None:
                 continue
             self._running.discard(lr)
-            if code != 0:
+            if code != 0 and lr not in self._ended:
                 self._failures[lr] = _failure(lr, proc.pid, code, self.error_files[lr])
 
     def close(self, death_sig: signal.Signals = signal.SIGTERM, timeout_s: float = 30) -> None:

@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 
 PY_SPY_TIMEOUT_S = 10.0
 BUSY_CPU = 0.02  # of one core: a worker with no step signal that uses this much is working
+#: A worker *works* (computes without steps: an evaluation the script does not mark, a long
+#: first step) while it and its children use at least this share of a core, read over at
+#: least :data:`WORK_WINDOW_S`.  A rank blocked in a gloo collective, a receive, a lock or a
+#: join uses next to nothing.  Not on a GPU: a rank waiting for CUDA may spin on a core.
+WORKING_CPU, WORK_WINDOW_S = 0.25, 2.0
 FAULTHANDLER_WAIT_S = 2.0
 #: the least time kept workers get to leave a round in-process (see Watchdog.leave_wait_s)
 LEAVE_WAIT_S = 5.0
@@ -150,6 +155,15 @@ class StackReader:
         return None, f"{why}; the process did not answer {STACK_SIGNAL.name}"
 
 
+def _maps_cuda(pid: int) -> bool:
+    """The process has CUDA's driver library mapped (it uses a GPU)."""
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            return b"libcuda.so" in f.read()
+    except OSError:
+        return False
+
+
 def status_of(pid: int) -> str:
     try:
         return str(psutil.Process(pid).status())
@@ -178,6 +192,9 @@ class _Rank:
     child_cpu: tuple[float, float] = (0.0, 0.0)  # the same, of its children alone
     stopped_since: float = 0.0  # when it was first seen stopped, throughout since (0: not)
     stopped_switches: int = -1  # its main thread's context switches then
+    work_cpu: tuple[float, float] = (0.0, 0.0)  # CPU seconds (it and its children), read when
+    working: bool = False  # it computed over the last window (see WORKING_CPU)
+    cuda: bool = False  # it maps libcuda: CPU use is no evidence of work
 
     def seen(self, record: progress.Progress | None) -> None:
         if record is not None and record.pid > 0:
@@ -320,6 +337,7 @@ class Watchdog:
                     r.stack_phase, r.changed_at = progress.Section(phase, time.time()), now
                 section = section or r.stack_phase
             stopped_s = self._stopped_for(r, now)
+            self._read_work(r, now)
             wall = time.time()
             out.append(
                 m.RankProgress(
@@ -339,9 +357,32 @@ class Watchdog:
                     section_bound_s=section.bound_s if section else 0.0,
                     stopped_s=round(stopped_s, 3),
                     saved_step=_saved_step(r.path),
+                    working=r.working and not stopped_s,
                 )
             )
         return out
+
+    @staticmethod
+    def _read_work(r: _Rank, now: float) -> None:
+        """Whether the worker computes (see :data:`WORKING_CPU`): read every
+        :data:`WORK_WINDOW_S` at most, the verdict kept in between."""
+        last_cpu, last_at = r.work_cpu
+        if last_at and now - last_at < WORK_WINDOW_S:
+            return
+        try:
+            proc = psutil.Process(r.pid)
+            procs = [proc, *proc.children(recursive=True)]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            r.working, r.work_cpu = False, (0.0, 0.0)
+            return
+        cpu = 0.0
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                times = p.cpu_times()
+                cpu += times.user + times.system
+        r.cuda = r.cuda or _maps_cuda(r.pid)
+        r.working = bool(last_at) and not r.cuda and cpu - last_cpu >= WORKING_CPU * (now - last_at)
+        r.work_cpu = (cpu, now)
 
     @staticmethod
     def _stopped_for(r: _Rank, now: float) -> float:

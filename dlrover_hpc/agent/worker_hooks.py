@@ -31,7 +31,7 @@ import time
 import weakref
 from typing import Any
 
-from dlrover_hpc import progress
+from dlrover_hpc import injections, progress
 
 FORWARD_TIMING_ENV = "DLROVER_HPC_FORWARD_TIMING"
 STACK_SIGNAL = signal.SIGUSR2
@@ -54,7 +54,7 @@ def install() -> None:
 
 def _install() -> None:
     path = os.environ.get(progress.PATH_ENV, "")
-    if not path:
+    if not path or not injections.enabled(injections.WORKER_HOOKS):
         return
     progress.adopt()  # forked from the zygote: the record is this worker's own
     _allow_stack_readers()

@@ -7,13 +7,19 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import psutil
 
-from dlrover_hpc import membership, progress
+from dlrover_hpc import injections, membership, progress
 from dlrover_hpc.agent.procs import LogSpec, ProcsResult, WorkerProcs
-from dlrover_hpc.agent.zygote import REQUEUE_BY_ENV, Zygote, exec_args, run_args
+from dlrover_hpc.agent.zygote import (
+    REQUEUE_BY_ENV,
+    Zygote,
+    exec_args,
+    python_argv,
+    run_args,
+)
 from dlrover_hpc.config import RunConfig
 from dlrover_hpc.jobdir import PARAL_CONFIG, PARAL_CONFIG_ENV
 from dlrover_hpc.protocol.messages import Assignment
@@ -66,6 +72,7 @@ def worker_env(
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "PYTHONUNBUFFERED": "1",
         **extra,
+        **injections.worker_env(config.off),
     }
     if progress.PATH_ENV in extra:  # a template: one progress record per worker
         env[progress.PATH_ENV] = extra[progress.PATH_ENV].format(local_rank)
@@ -75,7 +82,8 @@ def worker_env(
         env[PARAL_CONFIG_ENV] = os.path.join(extra["DLROVER_HPC_JOB_DIR"], PARAL_CONFIG)
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default
-    env.update(worker_task_env(os.environ, env))
+    if injections.SLURM_ENV_REWRITE.name not in config.off:
+        env.update(worker_task_env(os.environ, env))
     return env
 
 
@@ -100,6 +108,9 @@ class WorkerGroup:
             worker_args = self._zygote.client_args(argv, module=cfg.module)
         elif cfg.no_python:
             worker_args = exec_args(argv)  # a shim that execs it
+        elif injections.WORKER_HOOKS.name in cfg.off:
+            # torchrun's own command line, exec'ed by a shim that sets it to die with the agent
+            worker_args = exec_args(python_argv(argv, module=cfg.module))
         else:  # the zygote is not ready yet: run it as the zygote would, with the hooks
             worker_args = run_args(argv, module=cfg.module)
         # Both set the workers to die with this process, as this thread's children: this is
@@ -182,6 +193,16 @@ class WorkerGroup:
         """None while running; the result once all exited or any failed (others stopped)."""
         assert self._ctx is not None
         return self._ctx.poll()
+
+    def end(self, ranks: Sequence[int]) -> list[int]:
+        """Stop those of ``ranks`` (global) that run here, counted as succeeded; their
+        local ranks."""
+        if self._ctx is None:
+            return []
+        local = [r - self._rank_offset for r in ranks]
+        local = [lr for lr in local if 0 <= lr < self.config.nproc_per_node]
+        self._ctx.end(local)
+        return local
 
     def failures(self, result: ProcsResult) -> list[WorkerFailure]:
         """The failed workers, the likely cause first: a worker that died of its peers'

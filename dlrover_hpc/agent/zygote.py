@@ -40,6 +40,8 @@ from typing import IO
 
 import setproctitle
 
+from dlrover_hpc import injections
+
 log = logging.getLogger(__name__)
 
 _MAX_MSG = 1 << 20
@@ -54,9 +56,19 @@ _FORWARDED = (
 #: the worker itself among them: a client that passed it on would deliver it twice, and the
 #: zygote and a client must not die of it (Python's default). See :func:`hold_requeue_signal`.
 _REQUEUE_SIGNAL = signal.SIGUSR1
-#: Imported by the zygote besides torch: DistributedDataParallel's constructor imports
-#: torch._dynamo, 1.6-2.4 s of CPU in every worker (most of a forked worker's start-up here).
-WARM_MODULES = ("torch._dynamo",)
+#: Imported by the zygote besides torch: pure-Python dependencies of torch's compiler stack
+#: (sympy: 0.25 s of the 0.85 s that DistributedDataParallel's first use of torch._dynamo costs
+#: a worker here).  Never torch._dynamo itself (see :data:`UNSAFE_PRELOADS`).
+WARM_MODULES = ("sympy",)
+#: Modules the pre-warmed interpreter must not import on its own: torch._dynamo imported before
+#: a script builds its DDP model (before the fork, or at the script's top) makes DDP-on-gloo
+#: ranks deadlock at exit in 3 runs of 5 (torch 2.13, under torchrun as well): each backward
+#: stashes a Python object in the thread-local state that gloo's all-reduce work captures; the
+#: work's last reference can then be dropped by gloo's thread while the main thread, holding
+#: the GIL, joins that thread in ``~ProcessGroupGloo``.  A preload that pulls it in
+#: (``DLROVER_HPC_PRELOAD=lightning``) is said at start: preload only what the script imports
+#: first anyway.
+UNSAFE_PRELOADS = ("torch._dynamo",)
 #: more modules the pre-warmed interpreter imports, comma-separated (a framework: every
 #: worker forked from it skips that import, 3-4 s of CPU for transformers or Lightning); only
 #: modules that start no thread at import (a fork keeps only the forking thread)
@@ -90,7 +102,9 @@ def hold_requeue_signal(env: Mapping[str, str]) -> None:
     own handler (Lightning's auto-requeue) must not requeue it as well. Blocked from the start
     (kept across exec), the signal stays pending whatever handler the script installs.
     """
-    if env.get(REQUEUE_BY_ENV, "dlrover-hpc") != "framework":
+    if env.get(REQUEUE_BY_ENV, "dlrover-hpc") != "framework" and injections.enabled(
+        injections.USR1_HOLD, env
+    ):
         signal.pthread_sigmask(signal.SIG_BLOCK, {_REQUEUE_SIGNAL})
 
 
@@ -114,14 +128,14 @@ def set_title(title: str) -> None:
         comm.write(os.path.basename(sys.executable)[:15])
 
 
-def _python_argv(argv: Sequence[str], *, module: bool) -> list[str]:
+def python_argv(argv: Sequence[str], *, module: bool) -> list[str]:
     """The command line torchrun starts a Python worker with."""
     return [sys.executable, "-u", *(["-m"] if module else []), *argv]
 
 
 def worker_title(argv: Sequence[str], *, module: bool) -> str:
     """A worker's process title: the command line torchrun would have started it with."""
-    return " ".join(_python_argv(argv, module=module))
+    return " ".join(python_argv(argv, module=module))
 
 
 def _run(parent_pid: int, argv: list[str], *, module: bool) -> None:
@@ -161,10 +175,21 @@ def serve(
         __import__(name)
     extra = tuple(n.strip() for n in os.environ.get(PRELOAD_ENV, "").split(",") if n.strip())
     for name in (*WARM_MODULES, *extra):  # once here, not once per worker; a worker can do without
+        if name in UNSAFE_PRELOADS:
+            print(f"dlrover-run: zygote: {name} is not preloaded ({PRELOAD_ENV})", file=sys.stderr)
+            continue
+        unsafe = [m for m in UNSAFE_PRELOADS if m not in sys.modules]
         try:
             __import__(name)
         except Exception as exc:  # any failure: the worker imports it itself
             print(f"dlrover-run: zygote: cannot preload {name}: {exc}", file=sys.stderr)
+        for module in (m for m in unsafe if m in sys.modules):
+            print(
+                f"dlrover-run: zygote: preloading {name} ({PRELOAD_ENV}) imports {module} "
+                "before the script runs: under DDP on gloo a rank may then hang at exit "
+                "unless the script imports it first anyway (torch's own race)",
+                file=sys.stderr,
+            )
     with contextlib.suppress(FileNotFoundError):
         os.unlink(socket_path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -374,7 +399,7 @@ def client(socket_path: str, argv: list[str], *, module: bool, parent_pid: int) 
 
 def _exec_directly(argv: list[str], *, module: bool) -> None:
     hold_requeue_signal(os.environ)
-    os.execv(sys.executable, _python_argv(argv, module=module))
+    os.execv(sys.executable, python_argv(argv, module=module))
 
 
 # -------------------------------------------------------------------- agent side

@@ -8,6 +8,7 @@ import shutil
 import sys
 from collections.abc import Sequence
 
+from dlrover_hpc import injections
 from dlrover_hpc.cli import site_config
 from dlrover_hpc.cli.commands import master_parser
 from dlrover_hpc.cli.parser import Parser
@@ -290,6 +291,21 @@ def build_parser(defaults: Defaults | None = None) -> argparse.ArgumentParser:
         "on to the workers, the master continues nothing: Lightning's auto-requeue or the "
         "script's own handler requeues); give the master the same value",
     )
+    for inj in injections.ALL:
+        d.add_argument(
+            inj.flag,
+            action="store_true",
+            default=defaults.switch(inj.key, False),
+            help=f"do not {inj.what} (off costs: {inj.cost}); also ${inj.env}",
+        )
+    d.add_argument(
+        "--transparent",
+        action="store_true",
+        default=defaults.switch("transparent", False),
+        help="start workers exactly as torchrun would: every --no-* switch above at once "
+        "(recovery, flash checkpoints and the master still work); "
+        f"also ${injections.TRANSPARENT_ENV}",
+    )
     d.add_argument(
         "--job-dir",
         default=defaults.value("job_dir", None),
@@ -359,6 +375,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         straggler_factor=args.straggler_factor,
         requeue_by=RequeueBy.parse(args.requeue_by),
         rdzv_endpoint=args.rdzv_endpoint,
+        off=frozenset(i.name for i in injections.ALL if args.transparent or getattr(args, i.key)),
     )
 
 

@@ -93,6 +93,11 @@ SECTION_BOUNDS_S = {"checkpoint": 600.0, "eval": 600.0, "data": 300.0, "warmup":
 #: joining threads), where no step comes; a rank that exits before a peer leaves its last
 #: collective must not make that peer a hang.  Every rank gets at least this bound.
 SECTION_BOUNDS_S["exit"] = ENDING_BOUND_S = 300.0
+#: Every rank reached the step of the ranks that exited: the job is ending.  A rank still
+#: there this long after its peers exited, blocked (no CPU, no section, no step), hangs at
+#: exit (a deadlock in a library's teardown): it is stopped and counted as succeeded, never
+#: retrained.  One that computes or is in a section (a final save) gets the ceiling.
+EXIT_HANG_S = 15.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -146,12 +151,16 @@ def hung_ranks(
     timeout_s: float,
     warmup_s: float = WARMUP_BOUND_S,
     ending: bool = False,
+    working_counts: bool = True,
 ) -> Bound | None:
     """Every rank went without progress for its bound (each report aged by the time since it
     arrived): the longest of those bounds, the one that decided; or, with ``auto``, one rank
     stopped by a signal for :data:`STOPPED_BOUND_S`.  None while neither is so.  ``ending``
     (a node finished) or a rank in the ``exit`` section: every bound is at least
-    :data:`ENDING_BOUND_S` (with ``auto``)."""
+    :data:`ENDING_BOUND_S` (with ``auto``).  With ``auto``, a rank that computes
+    (``working``: its CPU time grows) is held to the ceiling: a busy rank is not a hung one
+    (``working_counts=False``: as if it were blocked, to tell that it alone holds a verdict
+    back)."""
     ending = ending or any(p.section == "exit" for p, _ in seen)
     if not seen or not timeout_s:
         return None
@@ -165,6 +174,8 @@ def hung_ranks(
         bound = rank_bound(p, timeout_s=timeout_s, p99_s=p99, warmup_s=warmup_s)
         if ending and timeout_s == HANG_AUTO and bound.seconds < ENDING_BOUND_S:
             bound = Bound(ENDING_BOUND_S, "job ending")
+        if working_counts and timeout_s == HANG_AUTO and p.working:
+            bound = Bound(HANG_CEILING_S, "ceiling (computing)")
         # In a section, CPU use is progress; with auto, a section the script gave no bound
         # that is open past the ceiling without a step is not (a rank that spins in a
         # collective it will never leave).  ``section_s`` counts from the newer of the
@@ -317,6 +328,9 @@ class HangWatch:
         #: the rank's own work is slow (rank 0's logging, an uneven split), not the node
         self._swapped_ranks: dict[int, str] = {}
         self._swap: str | None = None  # a straggler's node, out at the next checkpoint
+        self._ending_since: float | None = None  # when ranks were first seen exited at the end
+        self._exit_ended = False  # ranks hung at exit were ended in this round
+        self._stall_reported = False  # progress_stalled was said in this episode
         self._swap_after = -1  # the newest step when it was found: a save after it will do
         job.on_round_opening = self.round_opening
         job.saved_steps = self.saved_steps
@@ -350,6 +364,8 @@ class HangWatch:
             self._reported_links.clear()
             self._round = self.job.round
             self._round_began = 0.0
+            self._ending_since, self._exit_ended = None, False
+            self._stall_reported = False
 
     def heartbeat(
         self, rec_node: str, progress: Sequence[m.RankProgress], *, rtt_s: float = 0.0
@@ -409,16 +425,30 @@ class HangWatch:
             self._slow_checks.clear()
             self._rtts.clear()
             self._link_since.clear()
+        if complete and self._exit_phase(now):
+            return  # the training is over: no hang, no straggler, no swap
         warmup_s = warmup_bound(self.longest_warmup_s)
         bound = None
         if ready and not self._progressing(now, warmup_s):
-            bound = hung_ranks(
-                [(s.progress, s.at) for s in self._seen.values()],
-                now=now,
-                timeout_s=self.timeout_s,
-                warmup_s=warmup_s,
-                ending=any(n.state is NodeState.DONE for n in job.participants()),
-            )
+            seen = [(s.progress, s.at) for s in self._seen.values()]
+            ending = any(n.state is NodeState.DONE for n in job.participants())
+            for working_counts in (True, False):
+                found = hung_ranks(
+                    seen,
+                    now=now,
+                    timeout_s=self.timeout_s,
+                    warmup_s=warmup_s,
+                    ending=ending,
+                    working_counts=working_counts,
+                )
+                if working_counts:
+                    bound = found
+                if bound is not None or self._stall_reported:
+                    break
+                if found is not None:  # a verdict but for the ranks that compute
+                    self._report_stall(found)
+        else:
+            self._stall_reported = False
         if bound is not None:
             self._busy = True
             self._task = asyncio.get_running_loop().create_task(self._hang(bound))
@@ -428,6 +458,102 @@ class HangWatch:
             self._stragglers_checked = now
             self._check_stragglers(now)
         self._swap_if_saved()
+
+    def _report_stall(self, bound: Bound) -> None:
+        """No step for the bound, but ranks compute: said once, nothing restarted."""
+        self._stall_reported = True
+        working = sorted(r for r, s in self._seen.items() if s.progress.working)
+        last = {r: s.progress.step for r, s in sorted(self._seen.items())}
+        log.warning(
+            "no step for %g s (%s) but ranks=%s compute: not a hang; restarted only past the "
+            "ceiling of %g s",
+            bound.seconds,
+            bound.source,
+            working,
+            HANG_CEILING_S,
+        )
+        self.job.emit(
+            EventName.PROGRESS_STALLED,
+            working_ranks=working,
+            last_step=last,
+            bound_s=round(bound.seconds, 3),
+            bound_from=bound.source,
+            ceiling_s=HANG_CEILING_S,
+        )
+
+    def _exit_phase(self, now: float) -> bool:
+        """Whether the training is over: some ranks exited (their node is done, or their
+        process ended) and every other rank reached their step.  Ends (once) the ranks left
+        that hang at exit (:data:`EXIT_HANG_S`)."""
+        done = {n.node for n in self.job.participants() if n.state is NodeState.DONE}
+        exited = {
+            r: s for r, s in self._seen.items() if s.node in done or s.progress.section == "exit"
+        }
+        if not exited:
+            return False
+        last = max(s.progress.step for s in exited.values())
+        left = {r: s for r, s in self._seen.items() if r not in exited}
+        if any(s.progress.step < last for s in left.values()):
+            return False  # a rank is behind the ones that exited: a hang, not an ending
+        if self._ending_since is None:
+            self._ending_since = now
+            log.info("training over: ranks=%s exited at step=%d", sorted(exited), last)
+        if not left or self._exit_ended or not self.timeout_s:
+            return True
+        ending_s = now - self._ending_since
+        hung = {}
+        for rank, s in left.items():
+            p = s.progress
+            busy = p.working or (p.section not in ("", "exit") and not p.stopped_s)
+            bound = HANG_CEILING_S if busy else EXIT_HANG_S
+            idle_s = p.stalled_s + (now - s.at)
+            if idle_s >= bound and ending_s >= min(bound, EXIT_HANG_S):
+                hung[rank] = s
+        if hung:
+            self._exit_ended = self._busy = True
+            task = self._exit_hang(hung, last=last, waited_s=ending_s)
+            self._task = asyncio.get_running_loop().create_task(task)
+        return True
+
+    async def _exit_hang(self, hung: dict[int, _Seen], *, last: int, waited_s: float) -> None:
+        """Dump every stack, say ``exit_hang`` for each hung rank and have its agent end it."""
+        job = self.job
+        try:
+            directory = self.job_dir / "hangs" / _stamp()
+            title = (
+                f"exit hang: ranks {sorted(hung)} still running {waited_s:.0f} s after their "
+                f"peers exited at step {last} (round {job.round})"
+            )
+            ranks, _ = await self.collect(directory, title)
+            where = {r.rank: r.stack for r in ranks}
+            for rank, s in sorted(hung.items()):
+                stack = where.get(rank)
+                main = stack.main_thread() if stack is not None else None
+                frame = main.frames[0].short() if main is not None and main.frames else ""
+                job.emit(
+                    EventName.EXIT_HANG,
+                    rank=rank,
+                    node=s.node,
+                    step=s.progress.step,
+                    waited_s=round(waited_s, 3),
+                    frame=frame,
+                    stack=str(directory / f"rank-{rank}.txt"),
+                    directory=str(directory),
+                )
+                log.error(
+                    "exit hang rank=%d node=%s at %s: ending it, counted as succeeded stacks=%s",
+                    rank,
+                    s.node,
+                    frame or "?",
+                    directory,
+                )
+            reason = f"hang at exit: still running {waited_s:.0f} s after peers exited"
+            for agent_id, rec in list(job.nodes.items()):
+                mine = sorted(r for r, s in hung.items() if s.node == rec.node)
+                if mine:
+                    self._push(agent_id, m.EndWorkers(ranks=mine, reason=reason))
+        finally:
+            self._busy = False
 
     def _progressing(self, now: float, warmup_s: float) -> bool:
         """No hang can be found now, seen from one rank (the newest to report) and no pass

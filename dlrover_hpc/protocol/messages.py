@@ -156,6 +156,8 @@ class RankProgress:
     section_bound_s: float = 0.0  # the section's own bound (0: the master's default)
     stopped_s: float = 0.0  # for how long its process has been stopped by a signal, throughout
     saved_step: int = -1  # the newest step it saved to memory (flash checkpoint; -1: none)
+    #: it (and its children) computed over the agent's last CPU reading: busy, not blocked
+    working: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -355,6 +357,16 @@ class DumpStacks(Message):
 
     TYPE: ClassVar[str] = "dump_stacks"
     request_id: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class EndWorkers(Message):
+    """Pushed by the master: these ranks finished training and hang at exit (their peers
+    exited 0); stop them and count them as succeeded."""
+
+    TYPE: ClassVar[str] = "end_workers"
+    ranks: list[int]
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

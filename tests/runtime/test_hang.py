@@ -1,9 +1,10 @@
-"""A hung rank (issues 13 and 25): two workers under dlrover-run --standalone with the default
-flags, one SIGSTOPped (found as soon as its agent saw it stopped for 5 s), or one of three
+"""A hung rank (issues 13, 25 and 45): two workers under dlrover-run --standalone with the
+default flags, one SIGSTOPped (found as soon as its agent saw it stopped for 5 s), or one of three
 deadlocked (found within the bound the job learned from its step times); the job dumps every
 stack with the hung rank singled out, restarts and finishes.  A job whose long
-phases are not hangs (a slow first step, evaluations, a data loader's slow start, a marked
-section, a checkpoint persisted on exit) runs to the end without a false alarm."""
+phases are not hangs (a slow first step, evaluations, one of them unmarked and busy, a data
+loader's slow start, a marked section, a checkpoint persisted on exit) runs to the end without
+a false alarm.  A rank that hangs at exit is ended and the job succeeds, nothing retrained."""
 
 from __future__ import annotations
 
@@ -157,6 +158,9 @@ def test_long_phases_that_are_not_hangs_raise_no_alarm(tmp_path: Path) -> None:
             "--eval-s=35",
             "--loader-first-s=35",
             "--section-s=35",
+            # computing without steps, with no eval() and a stack that stays on one line
+            "--busy-eval-at=150",
+            "--busy-eval-s=35",
             "--persist-mb=64",
             f"--ckpt-dir={tmp_path / 'ckpt'}",
             f"--result={tmp_path / 'result.json'}",
@@ -170,9 +174,12 @@ def test_long_phases_that_are_not_hangs_raise_no_alarm(tmp_path: Path) -> None:
     evs = events(job_dir)
     for name in ("hang_detected", "straggler_detected", "workers_restarted", "worker_failed"):
         assert not named(evs, name), (name, named(evs, name))
+    # the unmarked evaluation is reported as computing without steps, never restarted
+    [stalled] = named(evs, "progress_stalled")
+    assert stalled["working_ranks"] == [0, 1] and stalled["last_step"]["0"] == 150, stalled
     result = json.loads((tmp_path / "result.json").read_text())
-    assert result["steps"] == 180 and result["evals"] == 1 and result["committed"], result
-    assert result["s"] >= 4 * 35, result  # each long phase really ran
+    assert result["steps"] == 180 and result["evals"] == 2 and result["committed"], result
+    assert result["s"] >= 5 * 35, result  # each long phase really ran
 
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
@@ -368,3 +375,54 @@ def test_nccl_rank_stopped_before_all_reduce(tmp_path: Path) -> None:
     assert out["bound_from"] == "stopped process" and out["suspected_rank"] == 1, out
     assert out["latency_s"] <= 10.0 + 10.0, out
     assert out["recovered_s"] < 120.0, out  # far inside NCCL's own 600 s
+
+
+def test_a_rank_that_hangs_at_exit_is_ended_and_the_job_succeeds_without_retraining(
+    tmp_path: Path,
+) -> None:
+    """Rank 2 of 3 trains to the end, then blocks for good after its process group ended (a
+    teardown deadlock); its peers exit 0.  Within 30 s it is ended, with an ``exit_hang`` and
+    its stack; the job succeeds; nothing is trained again."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    timing = tmp_path / "timing.log"
+    proc = subprocess.Popen(
+        [
+            str(BIN / "dlrover-run"),
+            "--standalone",
+            "--nproc-per-node=3",
+            f"--job-dir={tmp_path / 'job'}",
+            "--rdzv-id=exithang",
+            str(TRAIN),
+            "--steps=60",
+            "--step-time=0.02",
+            f"--ckpt-dir={ckpt}",
+            f"--result={tmp_path / 'result.json'}",
+            f"--timing-log={timing}",
+            "--exit-hang-rank=2",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out[-4000:]
+    evs = events(tmp_path / "job")
+    [hang] = named(evs, "exit_hang")
+    assert hang["rank"] == 2 and hang["step"] == 60, hang
+    assert Path(hang["stack"]).read_text().startswith("rank 2 "), hang
+    last_step_at = max(float(line.split()[0]) for line in timing.read_text().splitlines())
+    print(f"exit hang ended {hang['time'] - last_step_at:.1f} s after the last step")
+    assert hang["time"] - last_step_at <= 30.0, hang
+    [finished] = named(evs, "job_finished")
+    assert finished["exit_code"] == 0 and finished["time"] - last_step_at <= 35.0, finished
+    for name in ("hang_detected", "straggler_detected", "workers_restarted", "worker_failed"):
+        assert not named(evs, name), (name, named(evs, name))
+    steps = [int(line.split()[1]) for line in timing.read_text().splitlines()]
+    assert steps == list(range(1, 61)), steps  # every step once: nothing retrained

@@ -1,0 +1,227 @@
+"""The unchanged-client matrix (issue 45, item 5): public training scripts, vendored under
+``tests/clients/`` with their licence and provenance, run under ``torchrun`` and ``dlrover-run``
+side by side.  Changed only where a CUDA line must become a CPU one (each patch checked and
+listed).
+
+(a) Healthy: the same exit code and the same final loss (bitwise where the script is
+deterministic on the CPU); the launcher exits within 5 s of the last step's line, so every
+rank did; no hang, straggler, exit hang or restart event.
+
+(b) One worker SIGKILLed mid-run: dlrover-run completes, resumed from the script's own
+checkpoint; torchrun's outcome (it restarts nothing by default) is recorded, not judged.
+
+The DDP tutorial runs its healthy case three times in a row under dlrover-run: PyTorch 2.13's
+gloo teardown deadlocked (3 runs in 5) when the pre-warmed interpreter imported torch._dynamo
+before the script built its DDP model.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from runtime_helpers import BIN, events, named, sbatch, wait_job
+from vendored import launch, materialize, workers
+
+from dlrover_hpc.testing import LocalSlurm, wait_for
+
+pytestmark = pytest.mark.timeout(600)
+TORCHRUN, DLROVER_RUN = str(BIN / "torchrun"), str(BIN / "dlrover-run")
+#: events a healthy run must not have
+ALARMS = ("hang_detected", "straggler_detected", "exit_hang", "workers_restarted", "worker_failed")
+EXIT_WITHIN_S = 5.0
+
+
+def _launchers(work: Path, nproc: int, tag: str) -> dict[str, list[str]]:
+    std = ["--standalone", f"--nproc-per-node={nproc}"]
+    return {
+        "torchrun": [TORCHRUN, *std],
+        "dlrover-run": [DLROVER_RUN, *std, f"--job-dir={work / ('job-' + tag)}"],
+    }
+
+
+def _no_alarms(job_dir: Path) -> None:
+    evs = events(job_dir)
+    assert named(evs, "job_finished")[-1]["exit_code"] == 0, evs[-3:]
+    for name in ALARMS:
+        assert not named(evs, name), (name, named(evs, name))
+
+
+# ------------------------------------------------------------------ the DDP tutorial
+TUTORIAL_EPOCHS = ["40", "10"]  # total epochs, snapshot every 10
+LAST_EPOCH = r"Epoch 39 \|"
+
+
+def test_ddp_tutorial_healthy_exits_as_under_torchrun(tmp_path: Path) -> None:
+    applied = materialize("ddp_tutorial", tmp_path)
+    print("patches:", *(p.line() for p in applied if p.file == "multinode.py"), sep="\n  ")
+    runs = []
+    for i, name in enumerate(["torchrun", "dlrover-run", "dlrover-run", "dlrover-run"]):
+        (tmp_path / "snapshot.pt").unlink(missing_ok=True)
+        argv = [*_launchers(tmp_path, 4, f"healthy{i}")[name], "multinode.py", *TUTORIAL_EPOCHS]
+        run = launch(argv, cwd=tmp_path, timeout_s=90)
+        assert run.rc == 0, (name, i, run.rc, run.text[-3000:])
+        assert len(re.findall(LAST_EPOCH, run.text)) == 4, run.text[-2000:]  # every rank
+        runs.append((name, run.wall_s, run.exit_after(LAST_EPOCH)))
+        assert run.exit_after(LAST_EPOCH) <= EXIT_WITHIN_S, (name, i, runs)
+        if name == "dlrover-run":
+            _no_alarms(tmp_path / f"job-healthy{i}")
+    print(json.dumps({"ddp_tutorial_healthy": runs}))
+
+
+def test_ddp_tutorial_killed_worker_resumes_from_its_snapshot(tmp_path: Path) -> None:
+    materialize("ddp_tutorial", tmp_path)
+    outcome = {}
+    for name in ("dlrover-run", "torchrun"):
+        (tmp_path / "snapshot.pt").unlink(missing_ok=True)
+        argv = [*_launchers(tmp_path, 2, "kill")[name], "multinode.py", *TUTORIAL_EPOCHS]
+        run = launch(
+            argv,
+            cwd=tmp_path,
+            timeout_s=120,
+            kill_when=lambda line: "Epoch 15 |" in line,
+            script="multinode.py",
+        )
+        assert run.killed_pid, run.text[-2000:]
+        resumed = run.last(r"Resuming training from snapshot at Epoch (\d+)")
+        outcome[name] = {"rc": run.rc, "resumed": resumed[1] if resumed else None}
+        if name == "dlrover-run":
+            assert run.rc == 0, run.text[-3000:]
+            assert resumed is not None and resumed[1].endswith("Epoch 10"), run.text[-3000:]
+            assert len(re.findall(LAST_EPOCH, run.text)) == 2, run.text[-2000:]
+            assert run.exit_after(LAST_EPOCH) <= EXIT_WITHIN_S
+            evs = events(tmp_path / "job-kill")
+            [failed] = [e for e in named(evs, "worker_failed") if e["classification"] != "peer"]
+            assert failed["signal"] == "SIGKILL", failed
+            assert not named(evs, "hang_detected") and not named(evs, "exit_hang"), evs
+    print(json.dumps({"ddp_tutorial_kill": outcome}))
+
+
+def _tutorial_job(work: Path, job: str, world: int) -> str:
+    """Kill one worker once epoch 15 shows; the job's output, once it ended COMPLETED."""
+    out = work / f"slurm-{job}.out"
+    wait_for(
+        lambda: out.exists() and "Epoch 15 |" in out.read_text() and workers(work, "multinode.py"),
+        timeout_s=180,
+        what="the tutorial to reach epoch 15",
+        interval_s=0.2,
+    )
+    victim = sorted(workers(work, "multinode.py"), key=lambda p: p.pid)[-1]
+    victim.kill()
+    fields = wait_job(job, timeout_s=300)
+    text = out.read_text()
+    assert fields["JobState"] == "COMPLETED", text[-4000:]
+    assert "Resuming training from snapshot at Epoch" in text, text[-4000:]
+    assert len(re.findall(LAST_EPOCH, text)) >= world, text[-3000:]
+    assert not workers(work, "multinode.py")  # every rank exited
+    evs = events(work / ".dlrover-hpc" / job)
+    assert named(evs, "job_finished")[-1]["exit_code"] == 0
+    assert [e["signal"] for e in named(evs, "worker_failed") if e["classification"] != "peer"] == [
+        "SIGKILL"
+    ]
+    assert not named(evs, "exit_hang") and not named(evs, "hang_detected")
+    return text
+
+
+@pytest.mark.slurm
+def test_ddp_tutorial_through_its_own_sbatch_with_one_word_changed(
+    local_slurm: LocalSlurm, shared_tmp: Path
+) -> None:
+    applied = materialize("ddp_tutorial", shared_tmp)
+    assert any(p.new == "srun dlrover-run" for p in applied)
+    job = sbatch_script(shared_tmp, "slurm/sbatch_run.sh", env={"EPOCHS": "40", "SAVE_EVERY": "10"})
+    _tutorial_job(shared_tmp, job, world=4)
+
+
+@pytest.mark.slurm
+def test_ddp_tutorial_through_train_sbatch(local_slurm: LocalSlurm, shared_tmp: Path) -> None:
+    materialize("ddp_tutorial", shared_tmp)
+    job = sbatch(
+        shared_tmp, 2, "--nnodes=2", "--nproc-per-node=2", "multinode.py", *TUTORIAL_EPOCHS
+    )
+    _tutorial_job(shared_tmp, job, world=4)
+
+
+def sbatch_script(work: Path, script: str, *, env: dict[str, str]) -> str:
+    """Submit the tutorial's own job script, as its README says: ``sbatch sbatch_run.sh``."""
+    import subprocess
+
+    from runtime_helpers import run_env
+
+    out = subprocess.run(
+        ["sbatch", "--parsable", "-o", str(work / "slurm-%j.out"), str(work / script)],
+        cwd=work,
+        env={**run_env(), **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    return out.strip().split(";")[0]
+
+
+# ------------------------------------------------------------------ nanoGPT
+ITER = re.compile(r"iter (\d+): loss ([\d.]+)")
+EVAL = re.compile(r"step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
+
+
+def _nanogpt(work: Path) -> None:
+    applied = materialize("nanogpt", work)
+    print("patches:", *(p.line() for p in applied), sep="\n  ")
+    data = work / "data" / "tiny"
+    data.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 20_000), ("val", 4_000)):
+        rng.integers(0, 65, n, dtype=np.uint16).tofile(data / f"{split}.bin")
+    with open(data / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 65}, f)
+
+
+def _losses(text: str) -> tuple[tuple[str, str] | None, list[tuple[str, ...]]]:
+    iters = ITER.findall(text)
+    return (iters[-1] if iters else None), EVAL.findall(text)
+
+
+def test_nanogpt_healthy_same_loss_bitwise(tmp_path: Path) -> None:
+    _nanogpt(tmp_path)
+    results = {}
+    for name, argv in _launchers(tmp_path, 2, "healthy").items():
+        for old in (tmp_path / "out-tiny").glob("*"):
+            old.unlink()
+        run = launch([*argv, "train.py", "config/dlrover_tiny.py"], cwd=tmp_path, timeout_s=180)
+        assert run.rc == 0, (name, run.text[-3000:])
+        assert run.exit_after(r"iter 60: loss") <= EXIT_WITHIN_S, name
+        results[name] = _losses(run.text)
+    print(json.dumps({"nanogpt_healthy": results}))
+    assert results["torchrun"][0] is not None and results["torchrun"][0][0] == "60", results
+    assert results["dlrover-run"] == results["torchrun"]  # deterministic on the CPU: bitwise
+    _no_alarms(tmp_path / "job-healthy")
+
+
+def test_nanogpt_killed_worker_resumes_from_its_ckpt(tmp_path: Path) -> None:
+    _nanogpt(tmp_path)
+    outcome = {}
+    for name, argv in _launchers(tmp_path, 2, "kill").items():
+        for old in (tmp_path / "out-tiny").glob("*"):
+            old.unlink()
+        run = launch(
+            [*argv, "train.py", "config/dlrover_tiny.py"],
+            cwd=tmp_path,
+            timeout_s=180,
+            kill_when=lambda line: re.search(r"iter 30: loss", line) is not None,
+            script="train.py",
+        )
+        assert run.killed_pid, run.text[-2000:]
+        outcome[name] = {"rc": run.rc, "resumed": "Resuming training from out-tiny" in run.text}
+        if name == "dlrover-run":
+            assert run.rc == 0, run.text[-3000:]
+            assert outcome[name]["resumed"], run.text[-3000:]
+            last, evals = _losses(run.text)
+            assert last is not None and last[0] == "60", run.text[-2000:]
+            assert ("60",) == evals[-1][:1], evals
+            assert run.exit_after(r"iter 60: loss") <= EXIT_WITHIN_S
+    print(json.dumps({"nanogpt_kill": outcome}))
