@@ -96,7 +96,8 @@ class Agent:
         # Per-rank logs default to the job directory; stderr is teed there (and still shown)
         # so a failure's log tail can be diagnosed.
         log_dir = config.log_dir or str(job_dir / "logs" / self.node)
-        self.zygote = zygote or (None if config.no_python else new_zygote())
+        prewarm = not config.no_python and injections.PREWARM.name not in config.off
+        self.zygote = zygote or (new_zygote() if prewarm else None)
         self.workers = WorkerGroup(config, log_dir=log_dir, zygote=self.zygote)
         self.diagnoser = Diagnoser()
         self.watchdog = wd.Watchdog(sample_s=wd.default_sample_s(config.hang_timeout_s))

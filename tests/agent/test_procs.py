@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -194,3 +195,32 @@ def test_an_exit_code_with_a_flat_error_file_or_none(tmp_path: Path) -> None:
         assert (failure.timestamp == 1700000000.0) == (log_dir.name == "flat"), failure
     (error_file,) = (tmp_path / "flat").rglob("error.json")
     assert json.loads(error_file.read_text())["timestamp"] == "1700000000"
+
+
+def test_workers_ended_at_exit_count_as_succeeded(tmp_path: Path) -> None:
+    """The master's EndWorkers: a rank hung at exit is SIGKILLed and its end is a success;
+    a worker that fails on its own still fails."""
+    procs = WorkerProcs(
+        args={
+            0: [PY, "-c", "pass"],
+            1: [PY, "-c", "import time; time.sleep(60)"],  # hangs at exit
+        },
+        envs={0: _env(), 1: _env()},
+        logs=LogSpec(log_dir=str(tmp_path), redirects="0", tee="0"),
+        prefixes={0: "", 1: ""},
+    )
+    hung = procs.pids()[1]
+    time.sleep(0.3)
+    assert procs.poll() is None  # rank 0 ended well, rank 1 runs on
+    procs.end([1])
+    assert _wait(procs).failures == {}
+    with pytest.raises(ProcessLookupError):
+        os.kill(hung, 0)
+    failing = WorkerProcs(
+        args={0: [PY, "-c", "import sys; sys.exit(3)"]},
+        envs={0: _env()},
+        logs=LogSpec(log_dir=str(tmp_path / "b"), redirects="0", tee="0"),
+        prefixes={0: ""},
+    )
+    failing.end([])
+    assert set(_wait(failing).failures) == {0}

@@ -215,3 +215,28 @@ def test_a_worker_that_exited_while_its_round_goes_on_is_reported_as_ending(
     finally:
         _stop(proc, path)
         dog.stop_round()
+
+
+def test_a_worker_that_computes_is_working_one_that_waits_is_not() -> None:
+    """Issue 45: CPU time that grows over a window is work (an evaluation without steps); a
+    process blocked in a wait (a collective, a join) is not."""
+    from dlrover_hpc.agent.watchdog import WORK_WINDOW_S, Watchdog, _Rank
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ranks = [_Rank(0, busy.pid, "/nonexistent"), _Rank(1, idle.pid, "/nonexistent")]
+        t0 = time.monotonic()
+        for r in ranks:
+            Watchdog._read_work(r, t0)
+        assert not any(r.working for r in ranks)  # one reading: no window yet
+        time.sleep(WORK_WINDOW_S + 0.3)
+        now = time.monotonic()
+        for r in ranks:
+            Watchdog._read_work(r, now)
+        assert ranks[0].working and not ranks[1].working
+        assert not ranks[0].cuda
+    finally:
+        for p in (busy, idle):
+            p.kill()
+            p.wait()

@@ -180,3 +180,31 @@ def test_flags_come_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (cfg.nnodes.min, cfg.nnodes.max) == (2, 3)
     cfg = run_args.parse(["--nnodes=1", "train.py"])  # the flag wins
     assert cfg.nnodes.max == 1
+
+
+@pytest.mark.usefixtures("in_script_dir")
+def test_each_injection_has_its_own_switch_and_transparent_turns_off_all(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from dlrover_hpc import injections
+
+    assert run_args.parse(["train.py"]).off == frozenset()
+    names = {i.name for i in injections.ALL}
+    assert names == {"prewarm", "worker_hooks", "usr1_hold", "slurm_env_rewrite", "gc_handling"}
+    for inj in injections.ALL:  # by flag, each on its own
+        assert run_args.parse([inj.flag, "train.py"]).off == {inj.name}
+    assert run_args.parse(["--transparent", "train.py"]).off == names
+    monkeypatch.setenv(injections.WORKER_HOOKS.env, "1")  # by environment
+    assert run_args.parse(["train.py"]).off == {"worker_hooks"}
+    monkeypatch.delenv(injections.WORKER_HOOKS.env)
+    monkeypatch.setenv(injections.TRANSPARENT_ENV, "yes")
+    assert run_args.parse(["train.py"]).off == names
+    monkeypatch.delenv(injections.TRANSPARENT_ENV)
+    toml = tmp_path / "c.toml"  # by TOML key
+    toml.write_text("[run]\nno_prewarm = true\nno_usr1_hold = true\n")
+    assert run_args.parse([f"--config={toml}", "train.py"]).off == {"prewarm", "usr1_hold"}
+    # the worker is told under the same names, and reads them
+    env = injections.worker_env({"worker_hooks", "gc_handling"})
+    assert env == {"DLROVER_HPC_NO_WORKER_HOOKS": "1", "DLROVER_HPC_NO_GC_HANDLING": "1"}
+    assert not injections.enabled(injections.WORKER_HOOKS, env)
+    assert injections.enabled(injections.USR1_HOLD, env)

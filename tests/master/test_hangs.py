@@ -698,3 +698,86 @@ def test_round_trips_from_the_workers_start_are_no_evidence_of_a_slow_link(tmp_p
         assert e["node"] == "n3" and e["cause"] == "link"
 
     run(body)
+
+
+def test_a_computing_rank_holds_the_verdict_to_the_ceiling_a_blocked_one_does_not() -> None:
+    """Issue 45: no step for the learned bound, but a rank's CPU time grows: not a hang."""
+    seen = [(_p(0, 40.0, working=True), 10.0), (_p(1, 40.0), 10.0)]
+    assert hangs.hung_ranks(seen, now=10.0, timeout_s=AUTO) is None
+    # as if it were blocked: what the watch reports as progress_stalled
+    assert hangs.hung_ranks(seen, now=10.0, timeout_s=AUTO, working_counts=False) == hangs.Bound(
+        30.0, "step statistics"
+    )
+    ceiling = hangs.HANG_CEILING_S
+    assert hangs.hung_ranks(seen, now=10.0 + ceiling, timeout_s=AUTO) == hangs.Bound(
+        ceiling, "ceiling (computing)"
+    )
+    # a fixed --hang-timeout keeps its meaning; a stopped rank is a hang whatever the others do
+    assert hangs.hung_ranks(seen, now=10.0, timeout_s=20.0) == hangs.Bound(20.0, "--hang-timeout")
+    stopped = [(_p(0, 40.0, working=True), 10.0), (_p(1, 40.0, stopped_s=6.0), 10.0)]
+    assert hangs.hung_ranks(stopped, now=10.0, timeout_s=AUTO).source == "stopped process"  # type: ignore[union-attr]
+
+
+def _end_beat(h: Harness, watch: HangWatch, agents: list[str], **kw: object) -> None:
+    """n1's ranks 0, 1 exited after step 42; n2's rank 2 exited, rank 3 is still there."""
+    for agent in agents:
+        progress = []
+        for rank in _ranks(h, agent):
+            exited = rank != 3
+            p = m.RankProgress(
+                rank=rank,
+                step=42,
+                stalled_s=kw.get("stalled", 0.0) if not exited else 0.0,  # type: ignore[arg-type]
+                section="exit" if exited else str(kw.get("section", "")),
+                working=bool(kw.get("working")) and not exited,
+            )
+            progress.append(p)
+        watch.heartbeat(h.job.nodes[agent].node, progress)
+
+
+def test_a_rank_blocked_after_its_peers_exited_is_ended_as_an_exit_hang(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2", max_restarts=3)
+        agents = h.start("n1", "n2")
+        watch = _watch(h, tmp_path)
+        watch.timeout_s = AUTO
+        _end_beat(h, watch, agents, stalled=1.0)
+        watch.check()  # the ending begins: nothing yet
+        assert not h.events("exit_hang") and watch._task is None
+        h.clock.now += hangs.EXIT_HANG_S
+        _end_beat(h, watch, agents, stalled=hangs.EXIT_HANG_S + 1)
+        watch.check()
+        await asyncio.wait_for(watch._task, 5)  # type: ignore[arg-type]
+        [hang] = h.events("exit_hang")
+        assert hang["rank"] == 3 and hang["node"] == "n2" and hang["step"] == 42, hang
+        assert Path(hang["stack"]).name == "rank-3.txt" and Path(hang["stack"]).exists()
+        ends = [(a, msg) for a, msg in h.pushed if isinstance(msg, m.EndWorkers)]
+        assert ends == [(agents[1], m.EndWorkers(ranks=[3], reason=ends[0][1].reason))]
+        assert h.job.phase is Phase.RUNNING and h.job.round == 1  # no round re-forms
+        assert not h.events("hang_detected") and not h.events("rendezvous_opened")
+        h.clock.now += 600  # said once, however long the ending then takes
+        _end_beat(h, watch, agents, stalled=700.0)
+        watch.check()
+        assert len(h.events("exit_hang")) == 1 and not h.events("hang_detected")
+
+    run(body)
+
+
+@pytest.mark.parametrize("kw", [{"working": True}, {"section": "checkpoint"}])
+def test_a_rank_that_computes_or_saves_after_its_peers_exited_is_left_alone(
+    tmp_path: Path, kw: dict
+) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2", max_restarts=3)
+        agents = h.start("n1", "n2")
+        watch = _watch(h, tmp_path)
+        watch.timeout_s = AUTO
+        _end_beat(h, watch, agents, stalled=1.0, **kw)
+        watch.check()
+        h.clock.now += 400  # past the ending bound: a plain hang would have been declared
+        _end_beat(h, watch, agents, stalled=401.0, **kw)
+        watch.check()
+        assert watch._task is None
+        assert not h.events("exit_hang") and not h.events("hang_detected")
+
+    run(body)
