@@ -5,6 +5,7 @@ occur exactly once), started by a launcher, watched line by line, one worker SIG
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -157,10 +158,8 @@ def kill_one(cwd: Path, script: str) -> int:
 def stop(proc: subprocess.Popen[str]) -> None:
     """End a launcher that overran: SIGTERM, then SIGKILL; its children with it."""
     family = []
-    try:
+    with contextlib.suppress(psutil.Error):
         family = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        pass
     proc.terminate()
     try:
         proc.wait(20)
@@ -168,7 +167,5 @@ def stop(proc: subprocess.Popen[str]) -> None:
         proc.kill()
         proc.wait()
     for child in family:
-        try:
+        with contextlib.suppress(psutil.Error):
             child.kill()
-        except psutil.Error:
-            pass

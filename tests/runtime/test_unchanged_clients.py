@@ -222,6 +222,6 @@ def test_nanogpt_killed_worker_resumes_from_its_ckpt(tmp_path: Path) -> None:
             assert outcome[name]["resumed"], run.text[-3000:]
             last, evals = _losses(run.text)
             assert last is not None and last[0] == "60", run.text[-2000:]
-            assert ("60",) == evals[-1][:1], evals
+            assert evals[-1][:1] == ("60",), evals
             assert run.exit_after(r"iter 60: loss") <= EXIT_WITHIN_S
     print(json.dumps({"nanogpt_kill": outcome}))
