@@ -85,6 +85,16 @@ def main() -> None:
             )
         }
         alarms = {k: v for k, v in counts.items() if k != "progress_stalled"}
+        # what a restart came from: the failures and the rounds' reasons, as the log says
+        why = [
+            {
+                k: e.get(k)
+                for k in ("event", "reason", "rank", "exit_code", "signal", "classification")
+                if e.get(k) is not None
+            }
+            for e in evs
+            if e["event"] in ("worker_failed", "workers_restarted", "hang_detected", "node_lost")
+        ]
         print(
             json.dumps(
                 {
@@ -94,6 +104,7 @@ def main() -> None:
                     **counts,
                     "clean": proc.returncode == 0 and not any(alarms.values()),
                     "persist_mb": args.persist_mb,
+                    "restarts_from": why,
                 }
             )
         )

@@ -307,6 +307,7 @@ def _become_worker(request: dict, fds: list[int], *, zygote_pid: int) -> None:
         set_title(worker_title(request["argv"], module=request["module"]))
         os.environ.clear()
         os.environ.update(request["env"])
+        _fresh_logging()
         signal.signal(_REQUEUE_SIGNAL, signal.SIG_DFL)  # the zygote ignores it
         hold_requeue_signal(os.environ)
         os.chdir(request["cwd"])
@@ -333,6 +334,18 @@ def _become_worker(request: dict, fds: list[int], *, zygote_pid: int) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _fresh_logging() -> None:
+    """Logging as a new interpreter has it: the agent's handler (its ``[agent@node]`` lines) and
+    level stay with the agent, else a script's ``logging.basicConfig`` does nothing and every
+    record a framework logs comes out twice."""
+    root = logging.getLogger()
+    for handler in root.handlers[:]:
+        root.removeHandler(handler)
+    for log_filter in root.filters[:]:
+        root.removeFilter(log_filter)
+    root.setLevel(logging.WARNING)
 
 
 def _exit_code(value: object) -> int:

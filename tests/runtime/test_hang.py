@@ -426,3 +426,78 @@ def test_a_rank_that_hangs_at_exit_is_ended_and_the_job_succeeds_without_retrain
         assert not named(evs, name), (name, named(evs, name))
     steps = [int(line.split()[1]) for line in timing.read_text().splitlines()]
     assert steps == list(range(1, 61)), steps  # every step once: nothing retrained
+
+
+def _hang_bench():  # type: ignore[no-untyped-def]
+    """benchmarks/hang_detection.py: its job script (one rank hangs at step 60, once)."""
+    spec = importlib.util.spec_from_file_location(
+        "hang_detection", TRAIN.parent.parent / "benchmarks" / "hang_detection.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _detected_within_the_bound(summary: dict) -> None:
+    print(f"detected {summary['latency_s']} s after the fault (bound {summary.get('bound_s')} s)")
+    assert summary["finished"], summary
+    assert summary["latency_s"] is not None and summary["within_bound"], summary
+    assert summary["bound_from"] == "step statistics" and summary["suspected_rank"] == 1, summary
+    assert summary.get("recovered_s") is not None, summary  # the restarted workers stepped
+
+
+def test_a_data_loader_blocked_for_good_is_found_within_the_learned_bound(tmp_path: Path) -> None:
+    """Rank 1's data-loader worker blocks forever mid-epoch (issue 25's third kind): found
+    within 2 x p99 + 10 s (30 s), the job restarts and finishes; the computing-rank rule of
+    issue 45 does not hide it (a blocked loader uses no CPU)."""
+    bench = _hang_bench()
+    _detected_within_the_bound(bench.standalone("loader", tmp_path, 120, "gloo"))
+
+
+@pytest.mark.slurm
+def test_a_cut_data_link_is_found_within_the_learned_bound(
+    local_slurm: object, shared_tmp: Path
+) -> None:
+    """node2's data link (gloo's eth1) goes down while its control link stays up (issue 25's
+    fourth kind): its peers wait in their all-reduce; found within the bound, the job
+    restarts and finishes once the link is back."""
+    from runtime_helpers import sbatch
+
+    cluster = local_slurm
+    script = shared_tmp / "job.py"
+    script.write_text(_hang_bench().SCRIPT)
+    job = sbatch(
+        shared_tmp,
+        3,
+        "--nnodes=3",
+        "--nproc-per-node=1",
+        str(script),
+        "link_cut",
+        str(shared_tmp / "marker.json"),
+        "150",
+        "gloo",
+        env={"GLOO_SOCKET_IFNAME": "eth1", "OMP_NUM_THREADS": "1"},
+    )
+    job_dir = shared_tmp / ".dlrover-hpc" / job
+    wait_for(lambda: (shared_tmp / "marker.json").exists(), timeout_s=240, what="the fault")
+    fault = json.loads((shared_tmp / "marker.json").read_text())
+    [*_, last_round] = named(events(job_dir), "rendezvous_complete")
+    victim = last_round["nodes"][1]  # rank 1's node
+    cluster.cut_link(victim, net="data")  # type: ignore[attr-defined]
+    try:
+        hang = wait_for(
+            lambda: next(iter(named(events(job_dir), "hang_detected")), None),
+            timeout_s=120,
+            what="hang_detected",
+        )
+    finally:
+        cluster.heal_link(victim, net="data")  # type: ignore[attr-defined]
+    from runtime_helpers import wait_job
+
+    fields = wait_job(job, timeout_s=300)
+    latency = hang["time"] - fault["time"]
+    print(f"cut data link detected {latency:.1f} s after the cut (bound {hang['bound_s']} s)")
+    assert latency <= hang["bound_s"] + 10.0, hang
+    assert hang["bound_from"] == "step statistics", hang
+    assert fields["JobState"] == "COMPLETED", (shared_tmp / f"slurm-{job}.out").read_text()[-3000:]

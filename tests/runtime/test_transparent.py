@@ -12,7 +12,9 @@ from pathlib import Path
 from runtime_helpers import BIN, TRAIN, events, named
 
 PROBE = """
-import json, os, signal, sys
+import json, logging, os, signal, sys
+root = logging.getLogger()
+handlers, level = len(root.handlers), root.level
 at_start = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "dlrover_hpc", "sympy"))
 with open("/proc/self/status") as f:
     status = dict(line.split(":", 1) for line in f if ":" in line)
@@ -26,6 +28,7 @@ out = {
     "usr1_blocked": bool(blocked & (1 << (signal.SIGUSR1 - 1))),
     "cmdline": cmdline,
     "env": sorted(k for k in os.environ if k.startswith("DLROVER_HPC_NO_")),
+    "logging": [handlers, level],
 }
 with open(f"{sys.argv[1]}-{dist.get_rank()}.json", "w") as f:
     json.dump(out, f)
@@ -56,6 +59,7 @@ def test_a_transparent_worker_is_what_torchrun_starts(tmp_path: Path) -> None:
     )
     default = _probe(tmp_path, "default", str(BIN / "dlrover-run"), f"--job-dir={tmp_path / 'j2'}")
     assert torchrun[0] == {
+        "logging": [0, 30],
         "modules": [],
         "usr1_blocked": False,
         "cmdline": ["-u", "probe.py", "torchrun"],
@@ -69,6 +73,8 @@ def test_a_transparent_worker_is_what_torchrun_starts(tmp_path: Path) -> None:
     # by default: pre-warmed (torch imported), USR1 held, and never torch._dynamo
     assert "torch" in default[0]["modules"] and default[0]["usr1_blocked"] is True
     assert "torch._dynamo" not in default[0]["modules"], default[0]["modules"]
+    # the agent's log handler and level stay with the agent (a framework would log twice)
+    assert default[0]["logging"] == transparent[0]["logging"] == [0, 30], default[0]
 
 
 def test_crash_recovery_works_with_every_injection_off(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -225,3 +226,105 @@ def test_nanogpt_killed_worker_resumes_from_its_ckpt(tmp_path: Path) -> None:
             assert evals[-1][:1] == ("60",), evals
             assert run.exit_after(r"iter 60: loss") <= EXIT_WITHIN_S
     print(json.dumps({"nanogpt_kill": outcome}))
+
+
+# ------------------------------------------------------- Lightning, accelerate, HF Trainer
+def _hf_inputs(work: Path) -> list[str]:
+    import subprocess
+    import sys
+
+    inputs = work / "inputs"
+    subprocess.run(
+        [sys.executable, str(work / "make_offline_inputs.py"), str(inputs)], check=True, timeout=60
+    )
+    return [
+        "run_clm.py",
+        "--model_type=gpt2",
+        "--config_overrides=n_embd=32,n_layer=2,n_head=2,n_positions=64,vocab_size=64",
+        f"--tokenizer_name={inputs / 'tokenizer'}",
+        f"--train_file={inputs / 'train.txt'}",
+        "--validation_split_percentage=10",
+        "--block_size=32",
+        "--do_train",
+        f"--output_dir={work / 'out'}",
+        "--per_device_train_batch_size=4",
+        "--max_steps=10",
+        "--logging_steps=1",
+        "--save_steps=5",
+        "--seed=42",
+        "--report_to=none",
+        f"--cache_dir={work / 'cache'}",
+        "--use_cpu",
+        "--ddp_backend=gloo",
+        "--learning_rate=1e-3",
+    ]
+
+
+def _pass_lines(text: str) -> list[str]:
+    """accelerate's test script: its section headers and pass lines, each once."""
+    found = re.findall(
+        r"(\*\*[A-Za-z ]+\*\*|Training yielded [^.]+\.|[BF]{1,2}16 training check\.)", text
+    )
+    return sorted(set(found))
+
+
+#: name -> (script, the environment that makes it distributed on the CPU (its own switches),
+#: the last line it prints, the line that cues the kill, what is compared between launchers)
+FRAMEWORKS = {
+    "lightning": (
+        "bug_report_model.py",
+        {"PL_TRAINER_ACCELERATOR": "cpu", "PL_TRAINER_DEVICES": "2", "PL_TRAINER_STRATEGY": "ddp"},
+        r"test_loss",
+        "All distributed processes registered",
+        lambda text: "test_loss" in text,  # unseeded data and model: not deterministic
+    ),
+    "accelerate": (
+        "test_script.py",
+        {"ACCELERATE_USE_CPU": "1"},
+        r"\*\*Test reinstantiated state\*\*",
+        "**Training integration test**",
+        _pass_lines,  # seeded, and checked against one process by the script itself
+    ),
+    "hf_trainer": (
+        "run_clm.py",
+        {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+        r"train_loss\s+=",
+        "'loss': ",
+        lambda text: re.findall(r"'loss': '([\d.]+)'|train_loss\s+=\s+([\d.]+)", text),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(FRAMEWORKS))
+def test_framework_client_healthy_like_torchrun_and_completes_after_a_kill(
+    tmp_path: Path, name: str
+) -> None:
+    script, env, last, cue, compare = FRAMEWORKS[name]
+    materialize(name, tmp_path)
+    env = {**env, "HF_HOME": str(tmp_path / "hf")}
+    args = _hf_inputs(tmp_path) if name == "hf_trainer" else [script]
+    seen: dict[str, object] = {}
+    outcome: dict[str, object] = {}
+    for case in ("healthy", "kill"):
+        for launcher, argv in _launchers(tmp_path, 2, f"{case}").items():
+            shutil.rmtree(tmp_path / "out", ignore_errors=True)  # the HF Trainer's output
+            kill = (lambda line: cue in line) if case == "kill" else None
+            run = launch(
+                [*argv, *args], cwd=tmp_path, env=env, timeout_s=180, kill_when=kill, script=script
+            )
+            if case == "healthy":
+                assert run.rc == 0, (launcher, run.text[-3000:])
+                assert run.exit_after(last) <= EXIT_WITHIN_S, launcher
+                seen[launcher] = compare(run.text)
+                if launcher == "dlrover-run":
+                    _no_alarms(tmp_path / "job-healthy")
+                continue
+            assert run.killed_pid, (launcher, run.text[-2000:])
+            outcome[launcher] = run.rc
+            if launcher == "dlrover-run":
+                assert run.rc == 0, run.text[-3000:]
+                evs = events(tmp_path / "job-kill")
+                assert named(evs, "workers_restarted"), evs[-5:]
+                assert not named(evs, "hang_detected") and not named(evs, "exit_hang")
+    print(json.dumps({name: {"healthy": seen, "kill_rc": outcome}}, default=str))
+    assert seen["dlrover-run"] == seen["torchrun"] and seen["torchrun"], seen
