@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import pickle
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
-from vendored import launch, materialize  # noqa: E402
+from vendored import launch, materialize, nanogpt_data  # noqa: E402
 
 BIN = Path(sys.executable).parent
 #: name -> (client, ranks, arguments, the last step's line)
@@ -38,13 +35,7 @@ SCRIPTS = {
 def _prepare(client: str, work: Path) -> None:
     materialize(client, work)
     if client == "nanogpt":
-        data = work / "data" / "tiny"
-        data.mkdir(parents=True)
-        rng = np.random.default_rng(0)
-        for split, n in (("train", 20_000), ("val", 4_000)):
-            rng.integers(0, 65, n, dtype=np.uint16).tofile(data / f"{split}.bin")
-        with open(data / "meta.pkl", "wb") as f:
-            pickle.dump({"vocab_size": 65}, f)
+        nanogpt_data(work)
 
 
 def _clean(work: Path) -> None:

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import psutil
 
 CLIENTS = Path(__file__).resolve().parent / "clients"
@@ -64,6 +66,18 @@ def materialize(name: str, dest: Path, *, skip: Sequence[str] = ()) -> list[Patc
         target.write_text(text.replace(p.old, p.new))
         applied.append(p)
     return applied
+
+
+def nanogpt_data(work: Path) -> None:
+    """nanoGPT's ``data/tiny``: random tokens of a 65-token vocabulary (its prepare scripts
+    download Shakespeare; the loss is what is compared, not what the text says)."""
+    data = work / "data" / "tiny"
+    data.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 20_000), ("val", 4_000)):
+        rng.integers(0, 65, n, dtype=np.uint16).tofile(data / f"{split}.bin")
+    with open(data / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 65}, f)
 
 
 @dataclasses.dataclass

@@ -383,28 +383,15 @@ def test_a_rank_that_hangs_at_exit_is_ended_and_the_job_succeeds_without_retrain
     """Rank 2 of 3 trains to the end, then blocks for good after its process group ended (a
     teardown deadlock); its peers exit 0.  Within 30 s it is ended, with an ``exit_hang`` and
     its stack; the job succeeds; nothing is trained again."""
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
     timing = tmp_path / "timing.log"
-    proc = subprocess.Popen(
-        [
-            str(BIN / "dlrover-run"),
-            "--standalone",
-            "--nproc-per-node=3",
-            f"--job-dir={tmp_path / 'job'}",
-            "--rdzv-id=exithang",
-            str(TRAIN),
-            "--steps=60",
-            "--step-time=0.02",
-            f"--ckpt-dir={ckpt}",
-            f"--result={tmp_path / 'result.json'}",
-            f"--timing-log={timing}",
-            "--exit-hang-rank=2",
-        ],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    proc = _hang_job(  # its --steps and --step-time given again: the last one counts
+        tmp_path,
+        "exithang",
+        3,
+        "--steps=60",
+        "--step-time=0.02",
+        f"--timing-log={timing}",
+        "--exit-hang-rank=2",
     )
     try:
         out, _ = proc.communicate(timeout=240)

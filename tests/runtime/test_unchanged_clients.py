@@ -18,15 +18,13 @@ before the script built its DDP model.
 from __future__ import annotations
 
 import json
-import pickle
 import re
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 from runtime_helpers import BIN, events, named, sbatch, wait_job
-from vendored import launch, materialize, workers
+from vendored import launch, materialize, nanogpt_data, workers
 
 from dlrover_hpc.testing import LocalSlurm, wait_for
 
@@ -134,7 +132,9 @@ def test_ddp_tutorial_through_its_own_sbatch_with_one_word_changed(
 ) -> None:
     applied = materialize("ddp_tutorial", shared_tmp)
     assert any(p.new == "srun dlrover-run" for p in applied)
-    job = sbatch_script(shared_tmp, "slurm/sbatch_run.sh", env={"EPOCHS": "40", "SAVE_EVERY": "10"})
+    # as the tutorial's README says (`sbatch sbatch_run.sh`): its own 4 nodes
+    template = str(shared_tmp / "slurm" / "sbatch_run.sh")
+    job = sbatch(shared_tmp, 4, template=template, env={"EPOCHS": "40", "SAVE_EVERY": "10"})
     _tutorial_job(shared_tmp, job, world=4)
 
 
@@ -147,24 +147,6 @@ def test_ddp_tutorial_through_train_sbatch(local_slurm: LocalSlurm, shared_tmp: 
     _tutorial_job(shared_tmp, job, world=4)
 
 
-def sbatch_script(work: Path, script: str, *, env: dict[str, str]) -> str:
-    """Submit the tutorial's own job script, as its README says: ``sbatch sbatch_run.sh``."""
-    import subprocess
-
-    from runtime_helpers import run_env
-
-    out = subprocess.run(
-        ["sbatch", "--parsable", "-o", str(work / "slurm-%j.out"), str(work / script)],
-        cwd=work,
-        env={**run_env(), **env},
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout
-    return out.strip().split(";")[0]
-
-
 # ------------------------------------------------------------------ nanoGPT
 ITER = re.compile(r"iter (\d+): loss ([\d.]+)")
 EVAL = re.compile(r"step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
@@ -173,13 +155,7 @@ EVAL = re.compile(r"step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
 def _nanogpt(work: Path) -> None:
     applied = materialize("nanogpt", work)
     print("patches:", *(p.line() for p in applied), sep="\n  ")
-    data = work / "data" / "tiny"
-    data.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 20_000), ("val", 4_000)):
-        rng.integers(0, 65, n, dtype=np.uint16).tofile(data / f"{split}.bin")
-    with open(data / "meta.pkl", "wb") as f:
-        pickle.dump({"vocab_size": 65}, f)
+    nanogpt_data(work)
 
 
 def _losses(text: str) -> tuple[tuple[str, str] | None, list[tuple[str, ...]]]:
