@@ -253,3 +253,30 @@ def test_the_agent_forks_its_zygote_when_torch_is_imported_and_it_runs_one_threa
     worker = json.loads(out.read_text())
     assert worker["preloaded"] and worker["name"] == "__main__", worker
     assert report["stopped"], report
+
+
+def test_torch_dynamo_is_never_preloaded_and_a_preload_that_imports_it_is_said(
+    tmp_path: Path,
+) -> None:
+    """Issue 45: torch._dynamo imported before a script builds its DDP model makes gloo's
+    teardown deadlock at exit; the zygote refuses to preload it by name and says which
+    DLROVER_HPC_PRELOAD module pulled it in (lightning does)."""
+    (tmp_path / "pulls_dynamo.py").write_text("import torch._dynamo\n")
+    env = {
+        **os.environ,
+        "DLROVER_HPC_PRELOAD": "torch._dynamo,pulls_dynamo",
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dlrover_hpc.agent.zygote", "serve", str(tmp_path / "z.sock"),
+         str(os.getpid())],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "torch._dynamo is not preloaded (DLROVER_HPC_PRELOAD)" in err, err
+    assert "preloading pulls_dynamo (DLROVER_HPC_PRELOAD) imports torch._dynamo" in err, err
+    assert "WARM" not in err and "sympy" not in err, err  # the default warm-up is quiet
