@@ -64,6 +64,7 @@ LONGEST_FIRST = (
     "tests/runtime/test_dlrover_examples.py",
     "tests/runtime/test_elastic_batch.py",
     "tests/runtime/test_hang.py",
+    "tests/runtime/test_unchanged_clients.py",  # public scripts under both launchers
     "tests/runtime/test_sharding.py",
 )
 

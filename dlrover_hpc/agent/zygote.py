@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
@@ -308,6 +309,7 @@ def _become_worker(request: dict, fds: list[int], *, zygote_pid: int) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         _fresh_logging()
+        _own_thread_pool(os.environ)
         signal.signal(_REQUEUE_SIGNAL, signal.SIG_DFL)  # the zygote ignores it
         hold_requeue_signal(os.environ)
         os.chdir(request["cwd"])
@@ -334,6 +336,25 @@ def _become_worker(request: dict, fds: list[int], *, zygote_pid: int) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _own_thread_pool(env: Mapping[str, str]) -> None:
+    """torch's intra-op thread pool, made again here while this process has one thread.
+
+    A fork leaves the parent's pool behind, marked to be replaced at its next use; when two
+    threads of the child make their first parallel call at once (gloo's worker threads, a
+    script's own), the loser finds no pool: ``RuntimeError: pool INTERNAL ASSERT FAILED ...
+    Invalid thread pool!`` (torch 2.13, 7 runs of 8 with eight threads here; never under
+    torchrun, which does not fork).  Its size is the worker's ``OMP_NUM_THREADS``, as a new
+    interpreter would read it at ``import torch``, not the zygote's."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    text = env.get("OMP_NUM_THREADS", "")
+    threads = int(text) if text.isdigit() and int(text) > 0 else torch.get_num_threads()
+    with warnings.catch_warnings():  # "Leaking Caffe2 thread-pool after fork": not the script's
+        warnings.simplefilter("ignore")
+        torch.set_num_threads(threads)
 
 
 def _fresh_logging() -> None:

@@ -6,6 +6,7 @@ nothing that leaves state behind (torch._dynamo before the script's DDP: a deadl
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -105,3 +106,49 @@ def test_crash_recovery_works_with_every_injection_off(tmp_path: Path) -> None:
     assert not named(evs, "hang_detected") and not named(evs, "straggler_detected")
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["final_step"] == 40 and result["restart_count"] == 1
+
+
+RACE = """
+import sys, threading
+import torch
+errors, barrier = [], threading.Barrier(8)
+def first_parallel_call():
+    barrier.wait()  # eight threads' first parallel op at once: each takes the pool
+    try:
+        torch.ones(10**6).add_(1)
+    except RuntimeError as exc:
+        errors.append(str(exc).splitlines()[0])
+threads = [threading.Thread(target=first_parallel_call) for _ in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("errors", errors, "threads", torch.get_num_threads(), flush=True)
+sys.exit(1 if errors else 0)
+"""
+
+
+def test_a_forked_worker_owns_its_thread_pool(tmp_path: Path) -> None:
+    """Threads that make their first parallel call at once in a forked worker found no pool
+    ("Invalid thread pool!") in 7 runs of 8: the worker now makes its own before the script."""
+    (tmp_path / "race.py").write_text(RACE)
+    for i in range(3):
+        out = subprocess.run(
+            [
+                str(BIN / "dlrover-run"),
+                "--standalone",
+                "--nproc-per-node=1",
+                "--max-restarts=0",
+                f"--job-dir={tmp_path / f'job{i}'}",
+                "race.py",
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "OMP_NUM_THREADS": "2"},
+        )
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        # the worker's own OMP_NUM_THREADS, as `import torch` reads it in a new interpreter
+        assert "errors [] threads 2" in out.stdout, out.stdout[-2000:]
+        assert "Leaking Caffe2 thread-pool" not in out.stderr, out.stderr[-2000:]
