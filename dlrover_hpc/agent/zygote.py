@@ -310,6 +310,7 @@ def _become_worker(request: dict, fds: list[int], *, zygote_pid: int) -> None:
         os.environ.update(request["env"])
         _fresh_logging()
         _own_thread_pool(os.environ)
+        _fresh_random()
         signal.signal(_REQUEUE_SIGNAL, signal.SIG_DFL)  # the zygote ignores it
         hold_requeue_signal(os.environ)
         os.chdir(request["cwd"])
@@ -355,6 +356,15 @@ def _own_thread_pool(env: Mapping[str, str]) -> None:
     with warnings.catch_warnings():  # "Leaking Caffe2 thread-pool after fork": not the script's
         warnings.simplefilter("ignore")
         torch.set_num_threads(threads)
+
+
+def _fresh_random() -> None:
+    """numpy's global generator seeded afresh, as a new interpreter's is (Python's ``random``
+    reseeds itself at a fork): imported by a preload, every worker (and every restart) would
+    otherwise draw the same "random" numbers."""
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        np_random.seed()
 
 
 def _fresh_logging() -> None:

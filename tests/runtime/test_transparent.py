@@ -30,6 +30,7 @@ out = {
     "cmdline": cmdline,
     "env": sorted(k for k in os.environ if k.startswith("DLROVER_HPC_NO_")),
     "logging": [handlers, level],
+    "numpy_draw": __import__("numpy").random.rand(),
 }
 with open(f"{sys.argv[1]}-{dist.get_rank()}.json", "w") as f:
     json.dump(out, f)
@@ -37,13 +38,14 @@ dist.destroy_process_group()
 """
 
 
-def _probe(tmp_path: Path, tag: str, *launcher: str) -> dict:
+def _probe(tmp_path: Path, tag: str, *launcher: str, env: dict[str, str] | None = None) -> dict:
     subprocess.run(
         [*launcher, "--standalone", "--nproc-per-node=2", "probe.py", tag],
         cwd=tmp_path,
         check=True,
         timeout=120,
         capture_output=True,
+        env={**os.environ, **(env or {})},
     )
     return {r: json.loads((tmp_path / f"{tag}-{r}.json").read_text()) for r in (0, 1)}
 
@@ -58,7 +60,17 @@ def test_a_transparent_worker_is_what_torchrun_starts(tmp_path: Path) -> None:
         f"--job-dir={tmp_path / 'j1'}",
         "--transparent",
     )
-    default = _probe(tmp_path, "default", str(BIN / "dlrover-run"), f"--job-dir={tmp_path / 'j2'}")
+    # numpy.random preloaded: each worker still draws its own numbers, as under torchrun
+    default = _probe(
+        tmp_path,
+        "default",
+        str(BIN / "dlrover-run"),
+        f"--job-dir={tmp_path / 'j2'}",
+        env={"DLROVER_HPC_PRELOAD": "numpy.random"},
+    )
+    assert default[0].pop("numpy_draw") != default[1].pop("numpy_draw")
+    for probe in (torchrun, transparent):
+        assert probe[0].pop("numpy_draw") != probe[1].pop("numpy_draw")
     assert torchrun[0] == {
         "logging": [0, 30],
         "modules": [],
