@@ -41,6 +41,11 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["SLURM_CONF"] = str(LocalSlurmConfig(index=index).slurm_conf)
 
 
+#: Public training scripts the matrix runs (tests/runtime/test_unchanged_clients.py), vendored
+#: as they are: accelerate's test_script.py is not our test.
+collect_ignore = ["clients"]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The runtime tests first, the longest of them before the others, so that side by side
     the long ones start early and the short ones fill the gaps at the end.  Each test on a
