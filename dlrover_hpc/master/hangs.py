@@ -1,25 +1,20 @@
-"""Hangs and runtime stragglers, seen from the master (issues 13 and 25).
+"""Hangs, hangs at exit and runtime stragglers, seen from the master (issues 13, 25 and 45).
 
 Agents report each worker's step, how long since it last progressed, the p99 of its recent step
 times, the section it is in (:func:`dlrover_hpc.progress.section`: a checkpoint, an evaluation,
-a data loader's start, or one a script marks) and its newest step's compute and wait seconds,
-in every heartbeat.  Each rank is held to a *bound* (:func:`rank_bound`):
-
-- ``--hang-timeout SECONDS``: that, for everything (the behaviour before ``auto``);
-- ``auto`` (the default): a rank whose process has been stopped by a signal for
-  :data:`STOPPED_BOUND_S` is a hang, whatever the others do; in a section, the section's own
-  bound (:data:`SECTION_BOUNDS_S`, or the one the script gave); before the rank has a
-  step-time p99 (the first steps after a start: compilation, warm-up, restore), the warm-up
-  bound; else ``2 x p99 + 10 s`` of the job's slowest rank, at least :data:`FLOOR_S`; never
-  more than :data:`HANG_CEILING_S`.
+a data loader's start, or one a script marks), whether it computes, and its newest step's
+compute and wait seconds, in every heartbeat.  :mod:`dlrover_hpc.master.hang_bounds` holds
+each rank to a bound; :mod:`dlrover_hpc.master.slowness` finds stragglers and slow links.
 
 When every rank of the running round is past its bound, the master asks every agent for its
 workers' stacks, writes them to ``<job dir>/hangs/<UTC time>/`` (``rank-N.txt`` and
 ``merged.txt``), emits ``hang_detected`` (with the bound, what it came from and the step
 statistics) and restarts the workers from the newest checkpoint.  The second hang blamed on one
 node is a node fault: it is excluded and drained (or quarantined), and a spare or a smaller round
-takes over.  Stragglers: see :func:`stragglers`.  ``dlrover-hpc stacks`` uses the same
-collection, on demand.
+takes over.  Past its bound only because ranks compute: ``progress_stalled``, no restart.
+Once ranks exited after the step every rank reached, the training is over: a rank left blocked
+for :data:`EXIT_HANG_S` is ended and counted as succeeded (``exit_hang``), and nothing else is
+judged.  ``dlrover-hpc stacks`` uses the same collection, on demand.
 """
 
 from __future__ import annotations
@@ -35,69 +30,91 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from dlrover_hpc.config import HANG_AUTO, HANG_CEILING_S
 from dlrover_hpc.diagnosis import stacks as st
 from dlrover_hpc.events import EventName
 from dlrover_hpc.master import decisions as d
+from dlrover_hpc.master.hang_bounds import (
+    DETECT_SLACK_S,
+    ENDING_BOUND_S,
+    EXIT_HANG_S,
+    FLOOR_S,
+    P99_FACTOR,
+    P99_MARGIN_S,
+    SECTION_BOUNDS_S,
+    STOPPED_BOUND_S,
+    WARMUP_BOUND_S,
+    WARMUP_MIN_S,
+    Bound,
+    clearly_progressing,
+    hung_ranks,
+    job_p99,
+    rank_bound,
+    warmup_bound,
+)
 from dlrover_hpc.master.job import Job
 from dlrover_hpc.master.nodes import NodeState
 from dlrover_hpc.master.phases import Phase
+from dlrover_hpc.master.slowness import (
+    EXACT_PEERS,
+    LINK_FACTOR,
+    MIN_EXTRA_S,
+    MIN_LINK_EXTRA_S,
+    MIN_SAMPLES,
+    MIN_WINDOW_S,
+    SAMPLE_WINDOW_S,
+    SLOW_SHARE,
+    STRAGGLER_CHECK_S,
+    STRAGGLER_WINDOW_S,
+    Slow,
+    _still_slow,
+    evidence_window,
+    slow_links,
+    stragglers,
+)
 from dlrover_hpc.protocol import messages as m
+
+#: the rules live in hang_bounds and slowness; their names stay importable from here
+__all__ = [
+    "DETECT_SLACK_S",
+    "ENDING_BOUND_S",
+    "EXACT_PEERS",
+    "EXIT_HANG_S",
+    "FLOOR_S",
+    "LINK_FACTOR",
+    "MIN_EXTRA_S",
+    "MIN_LINK_EXTRA_S",
+    "MIN_SAMPLES",
+    "MIN_WINDOW_S",
+    "P99_FACTOR",
+    "P99_MARGIN_S",
+    "SAMPLE_WINDOW_S",
+    "SECTION_BOUNDS_S",
+    "SLOW_SHARE",
+    "STOPPED_BOUND_S",
+    "STRAGGLER_CHECK_S",
+    "STRAGGLER_WINDOW_S",
+    "WARMUP_BOUND_S",
+    "WARMUP_MIN_S",
+    "Bound",
+    "HangWatch",
+    "Slow",
+    "clearly_progressing",
+    "evidence_window",
+    "hung_ranks",
+    "job_p99",
+    "rank_bound",
+    "slow_links",
+    "stragglers",
+    "warmup_bound",
+]
 
 log = logging.getLogger(__name__)
 
 COLLECT_TIMEOUT_S = 15.0
-#: Fail-slow: a rank is a straggler once it stood out in the checks for this long, each
-#: check comparing the medians of the steps reported in the last :data:`SAMPLE_WINDOW_S` ...
-STRAGGLER_WINDOW_S = 20.0
-#: ... when it is barely past the threshold.  Stronger evidence needs less time: a rank (or a
-#: link) whose median ratio over the episode's checks is k times the threshold is reported
-#: after ``STRAGGLER_WINDOW_S / k``, at least this (a node at a quarter speed, ~3.5x its peers,
-#: was found 20 s after its first slow check; every one of those seconds is a quarter step
-#: for every rank of the job).  See :func:`evidence_window`.
-MIN_WINDOW_S = 8.0
-#: ... in this share of the checks of that window, not every one: a throttled rank's medians
-#: are noisy (a check that misses it must not start the window again; in a soak one did, and
-#: a node at a quarter speed went 88 s unreported).
-SLOW_SHARE = 0.75
-SAMPLE_WINDOW_S = 15.0
-STRAGGLER_CHECK_S = 2.0  # compare ranks this often (linear in the ranks)
-MIN_SAMPLES = 3
-MIN_EXTRA_S = 0.02  # a straggler's compute exceeds its peers' by this much at least
-#: A slow link: a node whose heartbeats take this many times its peers' median round trip,
-#: and at least :data:`MIN_LINK_EXTRA_S` more (every packet of the node queues behind it).
-LINK_FACTOR, MIN_LINK_EXTRA_S = 3.0, 0.015
-HANGS_PER_NODE_FAULT = 2  # the second hang blamed on a node excludes it
 
-#: ``auto``: the learned bound is ``P99_FACTOR x p99 + P99_MARGIN_S``, at least ``FLOOR_S``.
-FLOOR_S, P99_FACTOR, P99_MARGIN_S = 30.0, 2.0, 10.0
-#: A learned bound is a promise on when ``hang_detected`` is out: the check fires this much
-#: earlier, for the heartbeat that reports the stall, the check's tick and reading the stacks.
-DETECT_SLACK_S = 3.0
-#: ``auto``: a rank that has no step-time p99 yet (the first steps of its process).  Once a
-#: round of the job got through its warm-up, later rounds get 3 x the longest warm-up seen
-#: + 30 s, at least :data:`WARMUP_MIN_S` (a restart after a hang must not wait 10 minutes).
-WARMUP_BOUND_S, WARMUP_MIN_S = 600.0, 120.0
-#: ``auto``: a rank whose process has been stopped by a signal (SIGSTOP, SIGTSTP) for this long,
-#: throughout, is a hang at once, whatever the other ranks do: it cannot progress until someone
-#: continues it, and its peers will wait for it in their next collective.  (A job that Slurm
-#: suspends stops its agents too, so they report no such thing.)
-STOPPED_BOUND_S = 5.0
-#: ``auto``: each section's own bound, unless the script gave one; other names get ``eval``'s.
-#: A rank in a section also progresses while it (or a data-loader worker) uses CPU.
-SECTION_BOUNDS_S = {"checkpoint": 600.0, "eval": 600.0, "data": 300.0, "warmup": WARMUP_BOUND_S}
-#: The job is ending: a rank's process has exited (``exit``, from its agent) or a node's
-#: workers all succeeded.  The ranks left are in their teardown (destroying process groups,
-#: joining threads), where no step comes; a rank that exits before a peer leaves its last
-#: collective must not make that peer a hang.  Every rank gets at least this bound.
-SECTION_BOUNDS_S["exit"] = ENDING_BOUND_S = 300.0
-#: Every rank reached the step of the ranks that exited: the job is ending.  A rank still
-#: there this long after its peers exited, blocked (no CPU, no section, no step), hangs at
-#: exit (a deadlock in a library's teardown): it is stopped and counted as succeeded, never
-#: retrained.  One that computes or is in a section (a final save) gets the ceiling.
-EXIT_HANG_S = 15.0
+HANGS_PER_NODE_FAULT = 2  # the second hang blamed on a node excludes it
 
 
 @dataclasses.dataclass(slots=True)
@@ -105,196 +122,6 @@ class _Seen:
     progress: m.RankProgress
     node: str
     at: float  # master clock when the report arrived
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Bound:
-    seconds: float
-    #: "step statistics", "section eval", "warm-up", "stopped process", "--hang-timeout", "ceiling"
-    source: str
-
-
-def job_p99(progress: Sequence[m.RankProgress]) -> float:
-    """The job's step-time p99: its slowest rank's (0 while no rank has one)."""
-    return max((p.p99_s for p in progress), default=0.0)
-
-
-def warmup_bound(longest_s: float) -> float:
-    """The warm-up bound once a warm-up of ``longest_s`` was seen (0: none yet)."""
-    if longest_s <= 0:
-        return WARMUP_BOUND_S
-    return min(WARMUP_BOUND_S, max(WARMUP_MIN_S, 3 * longest_s + 30.0))
-
-
-def rank_bound(
-    p: m.RankProgress, *, timeout_s: float, p99_s: float, warmup_s: float = WARMUP_BOUND_S
-) -> Bound:
-    """How long ``p``'s rank may go without progress (see the module's docstring)."""
-    if timeout_s != HANG_AUTO:
-        return Bound(timeout_s, "--hang-timeout")
-    if p.section and p.section_bound_s:  # the script's own bound: not capped
-        return Bound(p.section_bound_s, f"section {p.section}")
-    if p.section:
-        bound = SECTION_BOUNDS_S.get(p.section, SECTION_BOUNDS_S["eval"])
-        source = f"section {p.section}"
-    elif p.p99_s <= 0 or p99_s <= 0:
-        bound, source = warmup_s, "warm-up"
-    else:
-        bound, source = max(FLOOR_S, P99_FACTOR * p99_s + P99_MARGIN_S), "step statistics"
-    return Bound(bound, source) if bound <= HANG_CEILING_S else Bound(HANG_CEILING_S, "ceiling")
-
-
-def hung_ranks(
-    seen: Sequence[tuple[m.RankProgress, float]],
-    *,
-    now: float,
-    timeout_s: float,
-    warmup_s: float = WARMUP_BOUND_S,
-    ending: bool = False,
-    working_counts: bool = True,
-) -> Bound | None:
-    """Every rank went without progress for its bound (each report aged by the time since it
-    arrived): the longest of those bounds, the one that decided; or, with ``auto``, one rank
-    stopped by a signal for :data:`STOPPED_BOUND_S`.  None while neither is so.  ``ending``
-    (a node finished) or a rank in the ``exit`` section: every bound is at least
-    :data:`ENDING_BOUND_S` (with ``auto``).  With ``auto``, a rank that computes
-    (``working``: its CPU time grows) is held to the ceiling: a busy rank is not a hung one
-    (``working_counts=False``: as if it were blocked, to tell that it alone holds a verdict
-    back)."""
-    ending = ending or any(p.section == "exit" for p, _ in seen)
-    if not seen or not timeout_s:
-        return None
-    if timeout_s == HANG_AUTO and any(
-        p.stopped_s > 0 and p.stopped_s + (now - at) >= STOPPED_BOUND_S for p, at in seen
-    ):
-        return Bound(STOPPED_BOUND_S, "stopped process")
-    p99 = job_p99([p for p, _ in seen])
-    longest: Bound | None = None
-    for p, at in seen:
-        bound = rank_bound(p, timeout_s=timeout_s, p99_s=p99, warmup_s=warmup_s)
-        if ending and timeout_s == HANG_AUTO and bound.seconds < ENDING_BOUND_S:
-            bound = Bound(ENDING_BOUND_S, "job ending")
-        if working_counts and timeout_s == HANG_AUTO and p.working:
-            bound = Bound(HANG_CEILING_S, "ceiling (computing)")
-        # In a section, CPU use is progress; with auto, a section the script gave no bound
-        # that is open past the ceiling without a step is not (a rank that spins in a
-        # collective it will never leave).  ``section_s`` counts from the newer of the
-        # section's start and the rank's newest step.
-        forever = (
-            timeout_s == HANG_AUTO
-            and bool(p.section)
-            and not p.section_bound_s
-            and p.section_s + (now - at) >= HANG_CEILING_S
-        )
-        slack = DETECT_SLACK_S if bound.source == "step statistics" else 0.0
-        if p.stalled_s + (now - at) < bound.seconds - slack and not forever:
-            return None
-        if longest is None or bound.seconds > longest.seconds:
-            longest = bound
-    return longest
-
-
-def clearly_progressing(
-    p: m.RankProgress, age_s: float, *, timeout_s: float, warmup_s: float = WARMUP_BOUND_S
-) -> bool:
-    """``p``, reported ``age_s`` ago, is within the shortest bound :func:`hung_ranks` could
-    hold it to (its own p99 in place of the job's, which is at least as large and only makes
-    the bound longer), and it is not stopped: while one rank is, no hang can be found."""
-    if p.stopped_s > 0:
-        return False
-    lower = rank_bound(p, timeout_s=timeout_s, p99_s=p.p99_s, warmup_s=warmup_s)
-    forever = (
-        timeout_s == HANG_AUTO
-        and bool(p.section)
-        and not p.section_bound_s
-        and p.section_s + age_s >= HANG_CEILING_S
-    )
-    slack = DETECT_SLACK_S if lower.source == "step statistics" else 0.0
-    return not forever and p.stalled_s + age_s < lower.seconds - slack
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Slow:
-    """A rank whose compute stands out: its median compute per step over its peers'."""
-
-    ratio: float
-    compute_s: float  # its median compute per step
-    peers_compute_s: float  # the median of its peers' medians
-    peers_wait_s: float  # the median of its peers' median waits: the time they wait for it
-
-
-#: Up to this many ranks (nodes) each is compared with the median of the *others*; beyond it,
-#: with the median of all (the same but for one value, and linear, not quadratic, at scale).
-EXACT_PEERS = 32
-
-
-def _peer_medians(values: dict[Any, float]) -> dict[Any, float]:
-    """Each key's peers' median value (see :data:`EXACT_PEERS`)."""
-    if len(values) > EXACT_PEERS:
-        everyone = statistics.median(values.values())
-        return dict.fromkeys(values, everyone)
-    return {
-        k: statistics.median([v for j, v in values.items() if j != k])
-        for k in values
-        if len(values) > 1
-    }
-
-
-def stragglers(timings: dict[int, tuple[float, float]], factor: float) -> dict[int, Slow]:
-    """Ranks that hold the others back (fail-slow): ``timings`` is each rank's median compute
-    and wait per step (data, forward, backward, optimizer; and the wait for its peers).  A
-    straggler's compute is ``factor`` times its peers' median, at least :data:`MIN_EXTRA_S`
-    more, and its peers wait for it: their median wait covers at least half the difference.
-    Without that wait the ranks do not train in lockstep, and nobody is held back."""
-    timed = {r: t for r, t in timings.items() if t[0] > 0}
-    peers_compute = _peer_medians({r: c for r, (c, _) in timed.items()})
-    peers_wait = _peer_medians({r: w for r, (_, w) in timed.items()})
-    out = {}
-    for rank, peers in peers_compute.items():
-        compute, waited = timed[rank][0], peers_wait[rank]
-        extra = compute - peers
-        if (
-            peers > 0
-            and compute >= factor * peers
-            and extra >= MIN_EXTRA_S
-            and waited >= 0.5 * extra
-        ):
-            out[rank] = Slow(round(compute / peers, 2), compute, peers, waited)
-    return out
-
-
-def evidence_window(ratios: Sequence[float], threshold: float) -> float:
-    """How long an episode must last before it is reported: :data:`STRAGGLER_WINDOW_S` over
-    how far the median of its checks' ratios is past ``threshold`` (a ratio is the rank's
-    compute, or the node's round trip, over its peers'), at least :data:`MIN_WINDOW_S`.  The
-    median, not the newest or the largest: one noisy check must not shorten it."""
-    if not ratios or threshold <= 0:
-        return STRAGGLER_WINDOW_S
-    strength = statistics.median(ratios) / threshold
-    return max(MIN_WINDOW_S, STRAGGLER_WINDOW_S / max(1.0, strength))
-
-
-def _still_slow(checks: Sequence[tuple[float, float]], now: float) -> bool:
-    """A straggler episode goes on (``checks``: each check's time and the ratio it found, 0
-    when it did not find the rank slow, from the first that did): at least
-    :data:`SLOW_SHARE` of the checks of the last :data:`STRAGGLER_WINDOW_S` found it, once
-    there are four; never two misses in a row."""
-    recent = [ratio > 0 for at, ratio in checks if now - at <= STRAGGLER_WINDOW_S]
-    if len(recent) >= 2 and not recent[-1] and not recent[-2]:
-        return False
-    return len(recent) < 4 or sum(recent) >= SLOW_SHARE * len(recent)
-
-
-def slow_links(rtts: dict[str, float], *, factor: float = LINK_FACTOR) -> dict[str, Slow]:
-    """Nodes whose median heartbeat round trip is ``factor`` times their peers' median and
-    :data:`MIN_LINK_EXTRA_S` longer (node -> the evidence; ``compute_s`` holds its round trip,
-    ``peers_compute_s`` the peers')."""
-    out = {}
-    for node, peers in _peer_medians(rtts).items():
-        rtt = rtts[node]
-        if rtt >= factor * peers and rtt - peers >= MIN_LINK_EXTRA_S:
-            out[node] = Slow(round(rtt / peers, 2) if peers > 0 else 0.0, rtt, peers, 0.0)
-    return out
 
 
 class HangWatch:
