@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Injection:
     name: str  # flag --no-<name with dashes>, TOML no_<name>, env DLROVER_HPC_NO_<NAME>
-    what: str  # what it is, for --help and the reference
+    what: str  # what workers do with it on, after "workers ...": for --help and the reference
     cost: str  # what turning it off costs
 
     @property
@@ -38,34 +38,34 @@ class Injection:
 
 PREWARM = Injection(
     name="prewarm",
-    what="fork workers from a pre-warmed interpreter that imported torch once per node",
+    what="are forked from a pre-warmed interpreter that imported torch once per node",
     cost="each worker start pays Python's start-up and `import torch` (about 1-2 s of CPU per "
     "worker here, more on a busy node): every restart takes that much longer",
 )
 WORKER_HOOKS = Injection(
     name="worker_hooks",
-    what="install progress hooks in each worker (optimizer steps, eval() and data-loader "
-    "sections, SIGUSR2 stack dumps)",
+    what="run progress hooks (optimizer steps, eval() and data-loader sections, SIGUSR2 stack "
+    "dumps)",
     cost="hang detection sees only explicit progress (dlrover_hpc.progress.step, flash "
     "checkpoint saves) and CPU use: no learned bound from the step times, no straggler "
     "detection, no eval/data sections",
 )
 USR1_HOLD = Injection(
     name="usr1_hold",
-    what="block Slurm's USR1 in the workers (the master saves and requeues at a time limit)",
+    what="block Slurm's USR1 (the master saves and requeues at a time limit)",
     cost="a USR1 from Slurm (--signal) reaches the script as under torchrun: a script without "
     "a handler dies of it",
 )
 SLURM_ENV_REWRITE = Injection(
     name="slurm_env_rewrite",
-    what="rewrite the workers' SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS and SLURM_NODEID to "
-    "their rank",
+    what="see SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS and SLURM_NODEID rewritten to their rank",
     cost="a framework that reads SLURM_* (Lightning's SLURMEnvironment) sees the agent's task, "
     "as under torchrun, and may disagree with RANK",
 )
 GC_HANDLING = Injection(
     name="gc_handling",
-    what="in-process recovery: gc.freeze() before the first attempt and after each collection",
+    what="freeze their long-lived objects (gc.freeze) for in-process recovery, before the "
+    "first attempt and after each collection",
     cost="a round change walks every object in a full collection (about 0.16 s here with torch "
     "imported); the attempt's garbage is still collected",
 )

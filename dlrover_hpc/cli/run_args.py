@@ -296,7 +296,8 @@ def build_parser(defaults: Defaults | None = None) -> argparse.ArgumentParser:
             inj.flag,
             action="store_true",
             default=defaults.switch(inj.key, False),
-            help=f"do not {inj.what} (off costs: {inj.cost}); also ${inj.env}",
+            help=f"by default dlrover-run's workers {inj.what}; this turns it off, which "
+            f"costs: {inj.cost} (also ${inj.env})",
         )
     d.add_argument(
         "--transparent",
