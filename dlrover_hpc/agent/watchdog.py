@@ -46,8 +46,10 @@ BUSY_CPU = 0.02  # of one core: a worker with no step signal that uses this much
 #: A worker *works* (computes without steps: an evaluation the script does not mark, a long
 #: first step) while it and its children use at least this share of a core, read over at
 #: least :data:`WORK_WINDOW_S`.  A rank blocked in a gloo collective, a receive, a lock or a
-#: join uses next to nothing.  Not on a GPU: a rank waiting for CUDA may spin on a core.
-WORKING_CPU, WORK_WINDOW_S = 0.25, 2.0
+#: join uses next to nothing (under 0.01 here); one that computes on a node shared with a
+#: test suite's other jobs got as little as 0.2.  Not on a GPU: a rank waiting for CUDA may
+#: spin on a core.
+WORKING_CPU, WORK_WINDOW_S = 0.1, 2.0
 FAULTHANDLER_WAIT_S = 2.0
 #: the least time kept workers get to leave a round in-process (see Watchdog.leave_wait_s)
 LEAVE_WAIT_S = 5.0
