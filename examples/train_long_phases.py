@@ -59,6 +59,11 @@ def main() -> None:
         help="a step after which every rank evaluates without model.eval() (0: none)",
     )
     p.add_argument("--busy-eval-s", type=float, default=90.0, help="seconds it computes")
+    p.add_argument(
+        "--busy-eval-rank0",
+        action="store_true",
+        help="only rank 0 evaluates; the others wait for it in a barrier (blocked, no CPU)",
+    )
     p.add_argument("--persist-mb", type=int, default=1024, help="checkpoint size saved on exit")
     p.add_argument("--ckpt-dir", default="./ckpt-long-phases")
     p.add_argument("--result", default=None)
@@ -89,7 +94,9 @@ def main() -> None:
                 evaluate(net, args.eval_s)
                 evals += 1
             if step == args.busy_eval_at:
-                busy_evaluate(model, args.busy_eval_s)
+                if rank == 0 or not args.busy_eval_rank0:
+                    busy_evaluate(model, args.busy_eval_s)
+                dist.barrier()
                 evals += 1
             if args.section_s and epoch == 2 and step % args.epoch_steps == 1:
                 with progress.section("export", timeout_s=args.section_s * 2 + 60):
@@ -131,7 +138,6 @@ def busy_evaluate(model: nn.Module, seconds: float) -> None:
     with torch.no_grad():
         while time.time() < deadline:
             head(model[0].weight.sum() + batch)
-    dist.barrier()
 
 
 if __name__ == "__main__":

@@ -158,9 +158,12 @@ def test_long_phases_that_are_not_hangs_raise_no_alarm(tmp_path: Path) -> None:
             "--eval-s=35",
             "--loader-first-s=35",
             "--section-s=35",
-            # computing without steps, with no eval() and a stack that stays on one line
+            # rank 0 computes without steps, with no eval() and a stack that stays on one
+            # line; rank 1 waits for it, blocked (the job, both ranks computing, is
+            # benchmarks/false_alarms.py --unmarked)
             "--busy-eval-at=150",
             "--busy-eval-s=35",
+            "--busy-eval-rank0",
             "--persist-mb=64",
             f"--ckpt-dir={tmp_path / 'ckpt'}",
             f"--result={tmp_path / 'result.json'}",
@@ -177,7 +180,7 @@ def test_long_phases_that_are_not_hangs_raise_no_alarm(tmp_path: Path) -> None:
     # The unmarked evaluation is never a hang: reported as computing without steps when its
     # stack stayed put (on a loaded machine samples may land on other lines: no stall at all).
     for stalled in named(evs, "progress_stalled"):
-        assert stalled["working_ranks"] == [0, 1] and stalled["last_step"]["0"] == 150, stalled
+        assert stalled["working_ranks"] == [0] and stalled["last_step"]["0"] == 150, stalled
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["steps"] == 180 and result["evals"] == 2 and result["committed"], result
     assert result["s"] >= 5 * 35, result  # each long phase really ran

@@ -260,26 +260,37 @@ def _pass_lines(text: str) -> list[str]:
     return sorted(set(found))
 
 
-#: name -> (script, the environment that makes it distributed on the CPU (its own switches),
-#: the last line it prints, the line that cues the kill, what is compared between launchers)
+#: name -> (script, the environment that makes it distributed on the CPU (its own switches) and
+#: the framework dlrover-run's pre-warmed interpreter imports once per node (DESIGN: a preload
+#: is proven safe by this matrix; torchrun ignores it), the last line it prints, the line that
+#: cues the kill, what is compared between launchers)
 FRAMEWORKS = {
     "lightning": (
         "bug_report_model.py",
-        {"PL_TRAINER_ACCELERATOR": "cpu", "PL_TRAINER_DEVICES": "2", "PL_TRAINER_STRATEGY": "ddp"},
+        {
+            "PL_TRAINER_ACCELERATOR": "cpu",
+            "PL_TRAINER_DEVICES": "2",
+            "PL_TRAINER_STRATEGY": "ddp",
+            "DLROVER_HPC_PRELOAD": "lightning.pytorch",  # imported first by the script anyway
+        },
         r"test_loss",
         "All distributed processes registered",
         lambda text: "test_loss" in text,  # unseeded data and model: not deterministic
     ),
     "accelerate": (
         "test_script.py",
-        {"ACCELERATE_USE_CPU": "1"},
+        {"ACCELERATE_USE_CPU": "1", "DLROVER_HPC_PRELOAD": "accelerate"},
         r"\*\*Test reinstantiated state\*\*",
         "**Training integration test**",
         _pass_lines,  # seeded, and checked against one process by the script itself
     ),
     "hf_trainer": (
         "run_clm.py",
-        {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+        {
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "DLROVER_HPC_PRELOAD": "datasets,transformers",
+        },
         r"train_loss\s+=",
         "'loss': ",
         lambda text: re.findall(r"'loss': '([\d.]+)'|train_loss\s+=\s+([\d.]+)", text),
