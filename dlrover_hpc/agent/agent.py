@@ -61,12 +61,18 @@ def zygote_env(config: RunConfig) -> dict[str, str]:
     return env
 
 
+def prewarmed(config: RunConfig) -> bool:
+    """Whether workers fork from a pre-warmed interpreter (not with --no-python or
+    --no-prewarm)."""
+    return not config.no_python and injections.PREWARM.name not in config.off
+
+
 def start_zygote(config: RunConfig) -> Zygote | None:
     """The node's pre-warmed interpreter, started first thing: forked from this process while
     it has one thread, when it imported torch already (``--standalone``: the master it hosts
     needs torch), before a master thread or the event loop's workers start; else a new
     interpreter that imports torch in the background."""
-    if config.no_python or injections.PREWARM.name in config.off:
+    if not prewarmed(config):
         return None
     zygote = new_zygote()
     zygote.start(zygote_env(config), fork=True)
@@ -96,8 +102,7 @@ class Agent:
         # Per-rank logs default to the job directory; stderr is teed there (and still shown)
         # so a failure's log tail can be diagnosed.
         log_dir = config.log_dir or str(job_dir / "logs" / self.node)
-        prewarm = not config.no_python and injections.PREWARM.name not in config.off
-        self.zygote = zygote or (new_zygote() if prewarm else None)
+        self.zygote = zygote or (new_zygote() if prewarmed(config) else None)
         self.workers = WorkerGroup(config, log_dir=log_dir, zygote=self.zygote)
         self.diagnoser = Diagnoser()
         self.watchdog = wd.Watchdog(sample_s=wd.default_sample_s(config.hang_timeout_s))

@@ -157,6 +157,22 @@ class StackReader:
         return None, f"{why}; the process did not answer {STACK_SIGNAL.name}"
 
 
+def _cpu_seconds(pid: int, *, own: bool = True) -> float | None:
+    """CPU seconds (user and system) the process and its children used, or its children
+    alone when not ``own``; None when the process is gone."""
+    try:
+        proc = psutil.Process(pid)
+        procs = [proc, *proc.children(recursive=True)] if own else proc.children(True)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    cpu = 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            times = p.cpu_times()
+            cpu += times.user + times.system
+    return cpu
+
+
 def _maps_cuda(pid: int) -> bool:
     """The process has CUDA's driver library mapped (it uses a GPU)."""
     try:
@@ -371,17 +387,10 @@ class Watchdog:
         last_cpu, last_at = r.work_cpu
         if last_at and now - last_at < WORK_WINDOW_S:
             return
-        try:
-            proc = psutil.Process(r.pid)
-            procs = [proc, *proc.children(recursive=True)]
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+        cpu = _cpu_seconds(r.pid)
+        if cpu is None:
             r.working, r.work_cpu = False, (0.0, 0.0)
             return
-        cpu = 0.0
-        for p in procs:
-            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                times = p.cpu_times()
-                cpu += times.user + times.system
         r.cuda = r.cuda or _maps_cuda(r.pid)
         r.working = bool(last_at) and not r.cuda and cpu - last_cpu >= WORKING_CPU * (now - last_at)
         r.work_cpu = (cpu, now)
@@ -411,16 +420,9 @@ class Watchdog:
         """It and its children (data-loader workers; only those when not ``own``) used more
         than :data:`BUSY_CPU` of a core since the last sample (a worker that waits in a
         collective or is stopped uses next to nothing)."""
-        try:
-            proc = psutil.Process(r.pid)
-            procs = [proc, *proc.children(recursive=True)] if own else proc.children(True)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+        cpu = _cpu_seconds(r.pid, own=own)
+        if cpu is None:
             return False
-        cpu = 0.0
-        for p in procs:
-            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                times = p.cpu_times()
-                cpu += times.user + times.system
         last_cpu, last_at = r.cpu if own else r.child_cpu
         if own:
             r.cpu = (cpu, now)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -257,23 +258,19 @@ class HangWatch:
         warmup_s = warmup_bound(self.longest_warmup_s)
         bound = None
         if ready and not self._progressing(now, warmup_s):
-            seen = [(s.progress, s.at) for s in self._seen.values()]
-            ending = any(n.state is NodeState.DONE for n in job.participants())
-            for working_counts in (True, False):
-                found = hung_ranks(
-                    seen,
-                    now=now,
-                    timeout_s=self.timeout_s,
-                    warmup_s=warmup_s,
-                    ending=ending,
-                    working_counts=working_counts,
-                )
-                if working_counts:
-                    bound = found
-                if bound is not None or self._stall_reported:
-                    break
-                if found is not None:  # a verdict but for the ranks that compute
-                    self._report_stall(found)
+            judge = functools.partial(
+                hung_ranks,
+                [(s.progress, s.at) for s in self._seen.values()],
+                now=now,
+                timeout_s=self.timeout_s,
+                warmup_s=warmup_s,
+                ending=any(n.state is NodeState.DONE for n in job.participants()),
+            )
+            bound = judge()
+            if bound is None and not self._stall_reported:
+                blocked = judge(working_counts=False)  # a verdict but for the computing ranks
+                if blocked is not None:
+                    self._report_stall(blocked)
         else:
             self._stall_reported = False
         if bound is not None:
@@ -352,11 +349,9 @@ class HangWatch:
                 f"peers exited at step {last} (round {job.round})"
             )
             ranks, _ = await self.collect(directory, title)
-            where = {r.rank: r.stack for r in ranks}
+            stacks = {r.rank: r.stack for r in ranks}
             for rank, s in sorted(hung.items()):
-                stack = where.get(rank)
-                main = stack.main_thread() if stack is not None else None
-                frame = main.frames[0].short() if main is not None and main.frames else ""
+                frame = st.where(stacks.get(rank))
                 job.emit(
                     EventName.EXIT_HANG,
                     rank=rank,
@@ -371,7 +366,7 @@ class HangWatch:
                     "exit hang rank=%d node=%s at %s: ending it, counted as succeeded stacks=%s",
                     rank,
                     s.node,
-                    frame or "?",
+                    frame,
                     directory,
                 )
             reason = f"hang at exit: still running {waited_s:.0f} s after peers exited"

@@ -67,6 +67,17 @@ def _hang_job(tmp_path: Path, rdzv: str, nproc: int, *extra: str) -> subprocess.
     )
 
 
+def _communicate(proc: subprocess.Popen) -> str:
+    """The job's output once it ended (killed past 240 s)."""
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return out
+
+
 def _restarted_once(tmp_path: Path, proc: subprocess.Popen, out: str) -> dict:
     """The job ended well after one restart: its hang_detected."""
     assert proc.returncode == 0, out[-4000:]
@@ -119,12 +130,7 @@ def test_a_deadlocked_rank_is_found_within_the_bound_learned_from_the_steps(
     proc = _hang_job(
         tmp_path, "deadlock", 3, "--fail-at-step=30", "--fail-rank=1", "--fail-mode=hang"
     )
-    try:
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    out = _communicate(proc)
     hang = _restarted_once(tmp_path, proc, out)
     hung_at = float((tmp_path / "ckpt" / ".failed-once-1").read_text())
     latency = hang["time"] - hung_at
@@ -397,12 +403,7 @@ def test_a_rank_that_hangs_at_exit_is_ended_and_the_job_succeeds_without_retrain
         f"--timing-log={timing}",
         "--exit-hang-rank=2",
     )
-    try:
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    out = _communicate(proc)
     assert proc.returncode == 0, out[-4000:]
     evs = events(tmp_path / "job")
     [hang] = named(evs, "exit_hang")
