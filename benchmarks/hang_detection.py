@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -189,7 +190,16 @@ def link_cut(work: Path, steps: int) -> dict:
     from dlrover_hpc.testing import LocalSlurm, LocalSlurmConfig
 
     cluster = LocalSlurm(LocalSlurmConfig())
+    was_up = cluster.is_up()
     cluster.up()
+    try:
+        return _link_cut(cluster, work, steps)
+    finally:
+        if not was_up:  # one it brought up goes down again (daemons, namespaces)
+            cluster.down()
+
+
+def _link_cut(cluster: Any, work: Path, steps: int) -> dict:
     os.chmod(work, 0o1777)
     script = work / "job.py"
     script.write_text(SCRIPT)
