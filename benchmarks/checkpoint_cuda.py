@@ -55,14 +55,15 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the tests' harness: chaos, soaks, ports
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from checkpoint import gpt_state  # noqa: E402
+from harness.ports import free_port  # noqa: E402
 
 from dlrover_hpc.checkpoint import DdpCheckpointer, StorageType  # noqa: E402
 from dlrover_hpc.checkpoint.env import WorkerEnv  # noqa: E402
 from dlrover_hpc.checkpoint.saver.segments import HEADER_SIZE, Segment  # noqa: E402
-from dlrover_hpc.testing.ports import free_port  # noqa: E402
 
 GOALS = {
     "warm_blocking_vs_pinned_d2h": 1.2,

@@ -187,7 +187,7 @@ def standalone(kind: str, work: Path, steps: int, backend: str) -> dict:
 
 
 def link_cut(work: Path, steps: int) -> dict:
-    from dlrover_hpc.testing import LocalSlurm, LocalSlurmConfig
+    from dlrover_hpc.localslurm import LocalSlurm, LocalSlurmConfig
 
     cluster = LocalSlurm(LocalSlurmConfig())
     was_up = cluster.is_up()

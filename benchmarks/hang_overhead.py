@@ -36,7 +36,7 @@ import torch
 steps, mode, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 if mode != "bare":
     os.environ["DLROVER_HPC_FORWARD_TIMING"] = "1" if mode == "hooks+forward" else "0"
-    from dlrover_hpc.agent import worker_hooks
+    from dlrover_hpc.worker import hooks as worker_hooks
     worker_hooks.install()
 torch.manual_seed(0)
 torch.set_num_threads(1)

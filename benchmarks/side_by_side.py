@@ -45,10 +45,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the tests' harness: chaos, soaks, ports
 
-from dlrover_hpc.testing import LocalSlurm, LocalSlurmConfig  # noqa: E402
-from dlrover_hpc.testing.slurm_net import netns_pids  # noqa: E402
-from dlrover_hpc.testing.soak import job_state  # noqa: E402
+from harness.soak import job_state  # noqa: E402
+
+from dlrover_hpc.localslurm import LocalSlurm, LocalSlurmConfig  # noqa: E402
+from dlrover_hpc.localslurm.slurm_net import netns_pids  # noqa: E402
 
 PEERS = REPO / ".venv-peers" / "bin"
 NODES = ("node1", "node2", "node3")

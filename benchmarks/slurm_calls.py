@@ -36,8 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from dlrover_hpc.localslurm import LocalSlurm, LocalSlurmConfig  # noqa: E402
 from dlrover_hpc.slurm import commands as slurm  # noqa: E402
-from dlrover_hpc.testing import LocalSlurm, LocalSlurmConfig  # noqa: E402
 
 
 def _timed(call: Callable[[], object], repeat: int, after: Callable[[], object] | None = None):

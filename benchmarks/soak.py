@@ -29,11 +29,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the tests' harness: chaos, soaks, ports
 
+from harness.chaos import FaultKind  # noqa: E402
+from harness.soak import run_soak  # noqa: E402
+
+from dlrover_hpc.localslurm import LocalSlurm, LocalSlurmConfig  # noqa: E402
 from dlrover_hpc.report.analysis import analyze, read_events  # noqa: E402
-from dlrover_hpc.testing import LocalSlurm, LocalSlurmConfig  # noqa: E402
-from dlrover_hpc.testing.chaos import FaultKind  # noqa: E402
-from dlrover_hpc.testing.soak import run_soak  # noqa: E402
 
 
 def main() -> None:

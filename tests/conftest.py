@@ -16,12 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from harness.isolation import private_mounts, worker_index
+from harness.leaks import take_snapshot, wait_no_leaks
 from warm_python import WarmPython
 
 from dlrover_hpc.checkpoint.testing import remove_job_segments
-from dlrover_hpc.testing import LocalSlurm, LocalSlurmConfig
-from dlrover_hpc.testing.isolation import private_mounts, worker_index
-from dlrover_hpc.testing.leaks import take_snapshot, wait_no_leaks
+from dlrover_hpc.localslurm import LocalSlurm, LocalSlurmConfig
 
 REPO = Path(__file__).resolve().parent.parent
 _slurm: LocalSlurm | None = None

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dlrover_hpc.localslurm import wait_for
 from dlrover_hpc.slurm.parse import parse_oneliner
-from dlrover_hpc.testing import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "examples" / "train.py"

@@ -12,7 +12,7 @@ import socket
 import time
 from pathlib import Path
 
-from dlrover_hpc import injections, membership
+from dlrover_hpc import injections
 from dlrover_hpc.agent import promotion
 from dlrover_hpc.agent import watchdog as wd
 from dlrover_hpc.agent.decisions import Next, Outcome, on_assignment, round_outcome, round_over
@@ -22,7 +22,6 @@ from dlrover_hpc.agent.node_lock import hold_node_lock
 from dlrover_hpc.agent.probe import run_probe
 from dlrover_hpc.agent.reports import report_failure
 from dlrover_hpc.agent.saver_link import start_replica_server, start_saver
-from dlrover_hpc.agent.worker_hooks import FORWARD_TIMING_ENV
 from dlrover_hpc.agent.workers import WorkerFailure, WorkerGroup
 from dlrover_hpc.agent.zygote import Zygote
 from dlrover_hpc.checkpoint.saver.host import SaverHost
@@ -33,10 +32,12 @@ from dlrover_hpc.diagnosis.classify import Diagnosis
 from dlrover_hpc.diagnosis.rules import FailureKind
 from dlrover_hpc.jobdir import local_user
 from dlrover_hpc.master.thread import MasterThread
-from dlrover_hpc.progress import PATH_ENV, StopNotice
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
 from dlrover_hpc.slurm.env import parse_slurm_env
+from dlrover_hpc.worker import membership
+from dlrover_hpc.worker.hooks import FORWARD_TIMING_ENV
+from dlrover_hpc.worker.progress import PATH_ENV, StopNotice
 
 log = logging.getLogger(__name__)
 
@@ -437,7 +438,7 @@ class Agent:
 
     async def _leave_in_process(self, env: dict[str, str]) -> bool:
         """Workers under the in-process wrapper leave the round and stay for the next one
-        (:mod:`dlrover_hpc.membership`); False: end them as usual (not all of them opted in,
+        (:mod:`dlrover_hpc.worker.membership`); False: end them as usual (not all of them opted in,
         one is stopped by a signal, or one did not leave in time)."""
         if not self.workers.kept_in_process(env) or self.watchdog.any_stopped_process():
             return False

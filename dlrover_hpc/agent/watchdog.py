@@ -8,7 +8,7 @@ torch optimizer), also progresses while it or its children (data-loader workers)
 outside sections: a rank that waits for a GPU collective may spin on a core.  Stacks are read
 only while a worker's steps stall (every ``sample_s``), with py-spy as the job's own user;
 where the kernel forbids that (Yama ``ptrace_scope`` 2 or 3), the agent says so once and asks
-the worker itself (faulthandler on SIGUSR2, set up by :mod:`dlrover_hpc.agent.worker_hooks`).
+the worker itself (faulthandler on SIGUSR2, set up by :mod:`dlrover_hpc.worker.hooks`).
 A stopped process cannot answer that signal, so py-spy comes first.  Blocking: the agent
 calls it from a thread.
 """
@@ -31,13 +31,13 @@ from collections.abc import Iterator, Mapping
 
 import psutil
 
-from dlrover_hpc import membership, progress
 from dlrover_hpc.agent.master_link import MasterLink
-from dlrover_hpc.agent.worker_hooks import STACK_SIGNAL, stack_file
 from dlrover_hpc.config import HANG_AUTO
 from dlrover_hpc.diagnosis import stacks as st
 from dlrover_hpc.jobdir import local_user
 from dlrover_hpc.protocol import messages as m
+from dlrover_hpc.worker import membership, progress
+from dlrover_hpc.worker.hooks import STACK_SIGNAL, stack_file
 
 log = logging.getLogger(__name__)
 

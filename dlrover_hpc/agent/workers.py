@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import psutil
 
-from dlrover_hpc import injections, membership, progress
+from dlrover_hpc import injections
 from dlrover_hpc.agent.procs import LogSpec, ProcsResult, WorkerProcs
 from dlrover_hpc.agent.zygote import (
     REQUEUE_BY_ENV,
@@ -24,6 +24,7 @@ from dlrover_hpc.config import RunConfig
 from dlrover_hpc.jobdir import PARAL_CONFIG, PARAL_CONFIG_ENV
 from dlrover_hpc.protocol.messages import Assignment
 from dlrover_hpc.slurm.env import worker_task_env
+from dlrover_hpc.worker import membership, progress
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ class WorkerGroup:
         return pids
 
     def kept_in_process(self, extra_env: Mapping[str, str]) -> bool:
-        """Whether every worker runs the in-process wrapper (:mod:`dlrover_hpc.membership`)."""
+        """Whether every worker runs the in-process wrapper (:mod:`..worker.membership`)."""
         if self._ctx is None or progress.PATH_ENV not in extra_env:
             return False
         for lr in range(self.config.nproc_per_node):

@@ -146,7 +146,7 @@ def _run(parent_pid: int, argv: list[str], *, module: bool) -> None:
     with contextlib.suppress(ImportError):
         import torch  # noqa: F401 - the script's first import anyway; the hooks need it
 
-    from dlrover_hpc.agent import worker_hooks
+    from dlrover_hpc.worker import hooks as worker_hooks
 
     worker_hooks.install()
     sys.exit(_run_main(argv, module=module))
@@ -317,7 +317,7 @@ def _become_worker(request: dict, fds: list[int], *, zygote_pid: int) -> None:
         sys.stdin = open(0, closefd=False)  # noqa: SIM115
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-        from dlrover_hpc.agent import worker_hooks
+        from dlrover_hpc.worker import hooks as worker_hooks
 
         worker_hooks.install()  # progress signals and stack dumps (hang detection)
         code = _run_main(request["argv"], module=request["module"])

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from dlrover_hpc.testing.local_slurm import LocalSlurm, LocalSlurmConfig
+from dlrover_hpc.localslurm.local_slurm import LocalSlurm, LocalSlurmConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -23,7 +23,7 @@ until the new round's word: a peer still inside the collective writes into a con
 that is there, not one gloo closed when it failed, which would fail that write.
 
 From that moment no step is kept as a checkpoint until the next round's process group
-(:func:`dlrover_hpc.membership.collectives_aborted`): with NCCL the GPU, not the training
+(:func:`dlrover_hpc.worker.membership.collectives_aborted`): with NCCL the GPU, not the training
 thread, waits for an all-reduce, and an aborted one leaves a partial sum that the optimizer
 applies and a save would keep.
 
@@ -67,8 +67,9 @@ from typing import ParamSpec, TypeVar
 
 import torch.distributed as dist
 
-from dlrover_hpc import injections, membership
-from dlrover_hpc.progress import PATH_ENV
+from dlrover_hpc import injections
+from dlrover_hpc.worker import membership
+from dlrover_hpc.worker.progress import PATH_ENV
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -23,7 +23,7 @@ import pytest
 from runtime_helpers import BIN, events, named
 
 from dlrover_hpc.agent.watchdog import sweep_stale
-from dlrover_hpc.testing import wait_for
+from dlrover_hpc.localslurm import wait_for
 
 pytestmark = [
     pytest.mark.timeout(120),

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from dlrover_hpc import progress
 from dlrover_hpc.agent import watchdog as wd
-from dlrover_hpc.testing import wait_for
+from dlrover_hpc.localslurm import wait_for
+from dlrover_hpc.worker import progress
 
 
 @pytest.fixture
@@ -90,8 +90,8 @@ HOOKED = """
 import sys, time, json
 import torch, torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
-from dlrover_hpc.agent import worker_hooks
-from dlrover_hpc import progress
+from dlrover_hpc.worker import hooks as worker_hooks
+from dlrover_hpc.worker import progress
 worker_hooks.install()
 path = sys.argv[1]
 
@@ -152,8 +152,8 @@ def test_the_worker_hooks_open_eval_and_data_sections_and_time_compute(tmp_path:
 
 BUSY_EVAL = """
 import sys, time
-from dlrover_hpc.agent import worker_hooks
-from dlrover_hpc import progress
+from dlrover_hpc.worker import hooks as worker_hooks
+from dlrover_hpc.worker import progress
 worker_hooks.install()
 for _ in range(5):
     time.sleep(0.05)
@@ -195,8 +195,8 @@ ODD_SCRIPTS = """
 import json, os, sys
 import torch, torch.nn as nn
 from torch.utils.data import DataLoader
-from dlrover_hpc.agent import worker_hooks
-from dlrover_hpc import progress
+from dlrover_hpc.worker import hooks as worker_hooks
+from dlrover_hpc.worker import progress
 worker_hooks.install()
 path = sys.argv[1]
 out = {}

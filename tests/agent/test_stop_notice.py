@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dlrover_hpc import progress
+from dlrover_hpc.worker import progress
 
 
 def test_notice_round_trip_through_the_record(

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from dlrover_hpc import membership, progress
 from dlrover_hpc.agent import watchdog as wd
 from dlrover_hpc.diagnosis import stacks as st
-from dlrover_hpc.testing import wait_for
+from dlrover_hpc.localslurm import wait_for
+from dlrover_hpc.worker import membership, progress
 
 WORKER = """
 import sys, time
-from dlrover_hpc.agent import worker_hooks
-from dlrover_hpc import membership, progress
+from dlrover_hpc.worker import hooks as worker_hooks
+from dlrover_hpc.worker import membership, progress
 worker_hooks.install()
 
 def wait_in_collective():

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+from harness.ports import free_port
 from runtime_helpers import BIN
 
 from dlrover_hpc.agent.zygote import Zygote
+from dlrover_hpc.localslurm import wait_for
 from dlrover_hpc.netcheck.launch import run_probe_subprocess
 from dlrover_hpc.netcheck.result import ProbeResult
-from dlrover_hpc.testing import wait_for
-from dlrover_hpc.testing.ports import free_port
 
 SCRIPT = """
 import json, os, sys, time

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlrover_hpc import membership
 from dlrover_hpc.checkpoint import (
     DdpCheckpointer,
     FsdpShardCheckpointer,
@@ -31,7 +30,8 @@ from dlrover_hpc.checkpoint.testing import (
     remove_job_segments,
 )
 from dlrover_hpc.checkpoint.trainer.saver_connection import InProcessSaver
-from dlrover_hpc.testing import wait_for
+from dlrover_hpc.localslurm import wait_for
+from dlrover_hpc.worker import membership
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]

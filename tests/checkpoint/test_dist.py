@@ -11,10 +11,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+from harness.ports import free_port
 from warm_python import WarmPython
 
 from dlrover_hpc.checkpoint.testing import remove_job_segments
-from dlrover_hpc.testing.ports import free_port
 
 pytestmark = [
     pytest.mark.timeout(180),

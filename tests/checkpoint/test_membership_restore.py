@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from harness.ports import free_port
 from warm_python import WarmPython
 
 from dlrover_hpc.checkpoint import RankCheckpointer, StorageType
@@ -29,7 +30,6 @@ from dlrover_hpc.checkpoint.testing import (
     job_segments,
     remove_job_segments,
 )
-from dlrover_hpc.testing.ports import free_port
 
 pytestmark = [
     pytest.mark.timeout(180),

@@ -40,7 +40,7 @@ from dlrover_hpc.checkpoint.saver.segments import (
     read_header,
     unlink_segments,
 )
-from dlrover_hpc.testing.wait import wait_for
+from dlrover_hpc.localslurm.wait import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 

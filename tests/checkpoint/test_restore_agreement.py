@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from harness.ports import free_port
 from warm_python import WarmPython
 
 from dlrover_hpc.checkpoint.testing import remove_job_segments
@@ -33,7 +34,6 @@ from dlrover_hpc.checkpoint.trainer.restore_agreement import (
     Source,
     plan_restore,
 )
-from dlrover_hpc.testing.ports import free_port
 
 pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[2]

@@ -16,10 +16,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
+from harness.ports import free_port
 
 from dlrover_hpc.cli.logsetup import exit_code_of
-from dlrover_hpc.testing import wait_for
-from dlrover_hpc.testing.ports import free_port
+from dlrover_hpc.localslurm import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from dlrover_hpc.localslurm import LocalSlurm
 from dlrover_hpc.slurm.commands import show_node
 from dlrover_hpc.slurm.parse import node_state
-from dlrover_hpc.testing import LocalSlurm
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from dlrover_hpc.config import MasterConfig, NodeRange
+from dlrover_hpc.localslurm import wait_for
 from dlrover_hpc.master.handlers import AgentHandlers
 from dlrover_hpc.master.job import Job
 from dlrover_hpc.master.journal import EventLog, Journal
@@ -19,7 +20,6 @@ from dlrover_hpc.master.nodes import NodeState
 from dlrover_hpc.master.phases import Phase
 from dlrover_hpc.master.stores import TorchStores
 from dlrover_hpc.protocol import messages as m
-from dlrover_hpc.testing import wait_for
 
 
 class Clock:

@@ -9,9 +9,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from harness.ports import free_port
 
 from dlrover_hpc.config import MasterConfig, NodeRange
 from dlrover_hpc.events import EventName
+from dlrover_hpc.localslurm import wait_for
 from dlrover_hpc.master import metrics
 from dlrover_hpc.master.handlers import AgentHandlers
 from dlrover_hpc.master.job import Job
@@ -19,8 +21,6 @@ from dlrover_hpc.master.journal import EventLog
 from dlrover_hpc.master.phases import Phase
 from dlrover_hpc.master.stores import TorchStores
 from dlrover_hpc.protocol import messages as m
-from dlrover_hpc.testing import wait_for
-from dlrover_hpc.testing.ports import free_port
 
 
 def _job(tmp: Path, events: EventLog, clock: list[float]) -> tuple[Job, AgentHandlers]:

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+from harness.ports import free_port
 
 from dlrover_hpc.netcheck.launch import run_probe_subprocess
 from dlrover_hpc.netcheck.model import NetcheckError
 from dlrover_hpc.netcheck.result import ProbeResult
-from dlrover_hpc.testing.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

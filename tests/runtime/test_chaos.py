@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from harness.chaos import FaultKind
+from harness.soak import run_soak
 
-from dlrover_hpc.testing import LocalSlurm
-from dlrover_hpc.testing.chaos import FaultKind
-from dlrover_hpc.testing.soak import run_soak
+from dlrover_hpc.localslurm import LocalSlurm
 
 pytestmark = pytest.mark.slurm
 

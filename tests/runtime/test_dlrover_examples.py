@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from runtime_helpers import REPO, events, named, sbatch, wait_job
 
-from dlrover_hpc.testing import LocalSlurm
+from dlrover_hpc.localslurm import LocalSlurm
 
 pytestmark = pytest.mark.slurm
 EXAMPLES = REPO / "examples" / "dlrover"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from runtime_helpers import TRAIN, events, named, run_env, wait_job
 
-from dlrover_hpc.testing import LocalSlurm
+from dlrover_hpc.localslurm import LocalSlurm
 
 pytestmark = pytest.mark.slurm
 

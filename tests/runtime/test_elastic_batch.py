@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from runtime_helpers import BIN, TRAIN, events, jsonl_records, named, sbatch, wait_job
 
-from dlrover_hpc.testing import LocalSlurm, wait_for
+from dlrover_hpc.localslurm import LocalSlurm, wait_for
 
 pytestmark = pytest.mark.slurm
 ELASTIC = TRAIN.parent / "train_elastic.py"

@@ -21,10 +21,10 @@ import pytest
 import torch
 from runtime_helpers import BIN, TRAIN, events, named
 
-from dlrover_hpc import progress
 from dlrover_hpc.agent.watchdog import progress_template
+from dlrover_hpc.localslurm import wait_for
 from dlrover_hpc.master.hangs import STOPPED_BOUND_S
-from dlrover_hpc.testing import wait_for
+from dlrover_hpc.worker import progress
 
 
 def _record(*, job_id: str, proc: subprocess.Popen, local_rank: int) -> str:

@@ -36,8 +36,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from runtime_helpers import BIN, events, named
 
+from dlrover_hpc.localslurm import wait_for
 from dlrover_hpc.protocol.wire import MAX_AUTH_FRAME
-from dlrover_hpc.testing import wait_for
 
 _LEN = struct.Struct(">I")
 AUTH_CONTEXT = b"dlrover-hpc/v1"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from runtime_helpers import TRAIN, events, named, sbatch, wait_job, wait_training
 
-from dlrover_hpc.testing import LocalSlurm, wait_for
+from dlrover_hpc.localslurm import LocalSlurm, wait_for
 
 pytestmark = pytest.mark.slurm
 FLASH = TRAIN.parent / "train_flash_ckpt.py"

@@ -11,12 +11,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from harness.prometheus import Prometheus, ensure_installed
 from runtime_helpers import BIN, TRAIN, events, named, sbatch, timing_log, wait_job
 
+from dlrover_hpc.localslurm import LocalSlurm, wait_for
 from dlrover_hpc.report.analysis import analyze
 from dlrover_hpc.report.plot import plot
-from dlrover_hpc.testing import LocalSlurm, wait_for
-from dlrover_hpc.testing.prometheus import Prometheus, ensure_installed
 
 pytestmark = pytest.mark.slurm
 FLASH = TRAIN.parent / "train_flash_ckpt.py"

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
+from harness.chaos import agents_on
 from runtime_helpers import TRAIN, events, named, sbatch, wait_job, wait_training
 
-from dlrover_hpc.testing import LocalSlurm, wait_for
-from dlrover_hpc.testing.chaos import agents_on
+from dlrover_hpc.localslurm import LocalSlurm, wait_for
 
 pytestmark = pytest.mark.slurm
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from runtime_helpers import TRAIN, events, jsonl_records, named, sbatch, wait_job
 
-from dlrover_hpc.testing import LocalSlurm, wait_for
+from dlrover_hpc.localslurm import LocalSlurm, wait_for
 
 pytestmark = pytest.mark.slurm
 SHARDED = TRAIN.parent / "train_sharded.py"

@@ -27,7 +27,7 @@ import pytest
 from runtime_helpers import REPO, events, named, run_env, sbatch, timing_log, wait_job
 
 from dlrover_hpc.checkpoint.testing import job_prefix
-from dlrover_hpc.testing import LocalSlurm, wait_for
+from dlrover_hpc.localslurm import LocalSlurm, wait_for
 
 pytestmark = pytest.mark.slurm
 

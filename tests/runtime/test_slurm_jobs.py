@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from runtime_helpers import TRAIN, events, job_fields, named, sbatch, wait_job, wait_training
 
+from dlrover_hpc.localslurm import LocalSlurm, wait_for
 from dlrover_hpc.slurm.commands import show_node
 from dlrover_hpc.slurm.parse import node_state
-from dlrover_hpc.testing import LocalSlurm, wait_for
 
 pytestmark = pytest.mark.slurm
 

@@ -26,7 +26,7 @@ import pytest
 from runtime_helpers import BIN, events, named, sbatch, wait_job
 from vendored import Run, launch, materialize, nanogpt_data, workers
 
-from dlrover_hpc.testing import LocalSlurm, wait_for
+from dlrover_hpc.localslurm import LocalSlurm, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 TORCHRUN, DLROVER_RUN = str(BIN / "torchrun"), str(BIN / "dlrover-run")

@@ -15,11 +15,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from harness.isolation import worker_index
+from harness.sshd import SshdCluster, SshdClusterConfig, netns_name
 from runtime_helpers import BIN, TRAIN, events, named
 
-from dlrover_hpc.testing import wait_for
-from dlrover_hpc.testing.isolation import worker_index
-from dlrover_hpc.testing.sshd import SshdCluster, SshdClusterConfig, netns_name
+from dlrover_hpc.localslurm import wait_for
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="SSH hosts in network namespaces need root"

@@ -11,9 +11,8 @@ import time
 
 import psutil
 import pytest
-
-from dlrover_hpc.testing import chaos
-from dlrover_hpc.testing.chaos import FaultKind, analyze, plan
+from harness import chaos
+from harness.chaos import FaultKind, analyze, plan
 
 
 def test_plan_is_seeded_spaced_and_covers_every_kind() -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from dlrover_hpc.localslurm import LocalSlurm, wait_for
 from dlrover_hpc.slurm.parse import parse_oneliner
-from dlrover_hpc.testing import LocalSlurm, wait_for
 
 pytestmark = pytest.mark.slurm
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from dlrover_hpc.testing import ports
+from harness import ports
 
 
 def test_ports_are_free_distinct_enough_and_below_the_ephemeral_range() -> None:

@@ -12,10 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from harness.ports import free_port
+from harness.prometheus import Prometheus, PrometheusError
 from prometheus_client import CollectorRegistry, Counter, start_http_server
-
-from dlrover_hpc.testing.ports import free_port
-from dlrover_hpc.testing.prometheus import Prometheus, PrometheusError
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 and not shutil.which("prometheus"),

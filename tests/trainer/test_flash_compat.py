@@ -23,7 +23,7 @@ from dlrover_hpc.checkpoint import LocalCommitCoordinator
 from dlrover_hpc.checkpoint.env import WorkerEnv
 from dlrover_hpc.checkpoint.testing import NullLink
 from dlrover_hpc.checkpoint.trainer.saver_connection import InProcessSaver
-from dlrover_hpc.testing import wait_for
+from dlrover_hpc.localslurm import wait_for
 from dlrover_hpc.trainer.flash_checkpoint.checkpointer import Checkpointer, StorageType
 from dlrover_hpc.trainer.flash_checkpoint.ddp import DdpCheckpointer
 from dlrover_hpc.trainer.flash_checkpoint.fsdp import FsdpFullCheckpointer, FsdpShardCheckpointer

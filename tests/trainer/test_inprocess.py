@@ -21,9 +21,9 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from dlrover_hpc import membership
-from dlrover_hpc.testing import wait_for
+from dlrover_hpc.localslurm import wait_for
 from dlrover_hpc.trainer import inprocess
+from dlrover_hpc.worker import membership
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.runtime]
 

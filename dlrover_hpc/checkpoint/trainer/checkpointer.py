@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from dlrover_hpc import progress
 from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
 from dlrover_hpc.checkpoint.env import WorkerEnv
 from dlrover_hpc.checkpoint.saver.commit_records import CommitRecord
@@ -38,6 +37,7 @@ from dlrover_hpc.checkpoint.trainer.restored_state import StepBytes
 from dlrover_hpc.checkpoint.trainer.saver_connection import SaverLink
 from dlrover_hpc.errors import CheckpointError
 from dlrover_hpc.events import EventName
+from dlrover_hpc.worker import progress
 
 logger = logging.getLogger(__name__)
 

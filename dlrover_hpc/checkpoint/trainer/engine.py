@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from dlrover_hpc import membership, progress
 from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
 from dlrover_hpc.checkpoint.env import WorkerEnv, segment_name
 from dlrover_hpc.checkpoint.event_sinks import JsonlEventSink
@@ -35,6 +34,7 @@ from dlrover_hpc.checkpoint.trainer.segment_pair import SegmentPair
 from dlrover_hpc.checkpoint.trainer.tensor_copy import Copier
 from dlrover_hpc.errors import CheckpointError
 from dlrover_hpc.events import EventName
+from dlrover_hpc.worker import membership, progress
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlrover_hpc import progress
 from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
 from dlrover_hpc.checkpoint.env import WorkerEnv
 from dlrover_hpc.checkpoint.formats.dcp_layout import align
@@ -48,6 +47,7 @@ from dlrover_hpc.checkpoint.trainer.restore_agreement import Load, Source
 from dlrover_hpc.checkpoint.trainer.restored_state import StepBytes
 from dlrover_hpc.checkpoint.trainer.saver_connection import SaverLink
 from dlrover_hpc.errors import CheckpointError
+from dlrover_hpc.worker import progress
 
 logger = logging.getLogger(__name__)
 

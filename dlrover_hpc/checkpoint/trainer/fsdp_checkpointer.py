@@ -20,7 +20,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dlrover_hpc import progress
 from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
 from dlrover_hpc.checkpoint.env import WorkerEnv
 from dlrover_hpc.checkpoint.formats.dcp_layout import METADATA_FILE
@@ -33,6 +32,7 @@ from dlrover_hpc.checkpoint.trainer.restore_agreement import Load, Source
 from dlrover_hpc.checkpoint.trainer.restored_state import StepBytes
 from dlrover_hpc.checkpoint.trainer.saver_connection import SaverLink
 from dlrover_hpc.errors import CheckpointError
+from dlrover_hpc.worker import progress
 
 logger = logging.getLogger(__name__)
 

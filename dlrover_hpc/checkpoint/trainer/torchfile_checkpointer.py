@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from dlrover_hpc import progress
 from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
 from dlrover_hpc.checkpoint.env import WorkerEnv, spill_dir
 from dlrover_hpc.checkpoint.formats.torchfile import (
@@ -47,6 +46,7 @@ from dlrover_hpc.checkpoint.trainer.restored_state import (
 from dlrover_hpc.checkpoint.trainer.saver_connection import SaverLink
 from dlrover_hpc.errors import CheckpointError, SegmentSpaceError
 from dlrover_hpc.events import EventName
+from dlrover_hpc.worker import progress
 
 logger = logging.getLogger(__name__)
 

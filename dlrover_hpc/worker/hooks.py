@@ -31,7 +31,8 @@ import time
 import weakref
 from typing import Any
 
-from dlrover_hpc import injections, progress
+from dlrover_hpc import injections
+from dlrover_hpc.worker import progress
 
 FORWARD_TIMING_ENV = "DLROVER_HPC_FORWARD_TIMING"
 STACK_SIGNAL = signal.SIGUSR2

@@ -29,9 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dlrover_hpc.errors import LocalSlurmError
-from dlrover_hpc.testing import slurm_net
-from dlrover_hpc.testing.commands import file_lock, node_argv
-from dlrover_hpc.testing.slurm_config import (
+from dlrover_hpc.localslurm import slurm_net
+from dlrover_hpc.localslurm.commands import file_lock, node_argv
+from dlrover_hpc.localslurm.slurm_config import (
     BASE_DIR,
     MARK,
     LocalSlurmConfig,
@@ -39,7 +39,7 @@ from dlrover_hpc.testing.slurm_config import (
     slurm_conf_text,
     topology_text,
 )
-from dlrover_hpc.testing.slurm_procs import alive, install_packages, run, spawn, terminate, wait
+from dlrover_hpc.localslurm.slurm_procs import alive, install_packages, run, spawn, terminate, wait
 
 __all__ = ["LocalSlurm", "LocalSlurmConfig"]
 

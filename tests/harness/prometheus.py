@@ -36,9 +36,9 @@ from typing import Any
 import psutil
 
 from dlrover_hpc.errors import DlroverHpcError
-from dlrover_hpc.testing.commands import apt_install
-from dlrover_hpc.testing.ports import free_port
-from dlrover_hpc.testing.wait import wait_for
+from dlrover_hpc.localslurm.commands import apt_install
+from dlrover_hpc.localslurm.wait import wait_for
+from harness.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class Prometheus:
             ],
         }
         # JSON is YAML: no quoting rules of our own to get wrong.
-        return "# written by dlrover_hpc.testing.prometheus\n" + json.dumps(config, indent=2)
+        return "# written by harness.prometheus\n" + json.dumps(config, indent=2)
 
     def _ready(self) -> bool:
         proc = self._proc

@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dlrover_hpc.errors import LocalSlurmError
-from dlrover_hpc.testing.commands import apt_install, run_checked
-from dlrover_hpc.testing.wait import wait_for
+from dlrover_hpc.localslurm.commands import apt_install, run_checked
+from dlrover_hpc.localslurm.wait import wait_for
 
 log = logging.getLogger(__name__)
 

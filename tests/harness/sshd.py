@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 
 from dlrover_hpc.errors import DlroverHpcError
-from dlrover_hpc.testing.commands import apt_install, node_argv, run_checked
+from dlrover_hpc.localslurm.commands import apt_install, node_argv, run_checked
 
 SSHD = "/usr/sbin/sshd"
 
@@ -164,7 +164,7 @@ class SshdCluster:
 
     def _sshd_config(self, host: str) -> str:
         hdir = self.state_dir / host
-        return f"""# written by dlrover_hpc.testing.sshd for {host}
+        return f"""# written by harness.sshd for {host}
 ListenAddress {self.config.address(host)}
 Port 22
 HostKey {hdir / "host_key"}

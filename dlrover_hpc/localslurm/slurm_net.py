@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dlrover_hpc.testing.slurm_config import LocalSlurmConfig
-from dlrover_hpc.testing.slurm_procs import alive, run
+from dlrover_hpc.localslurm.slurm_config import LocalSlurmConfig
+from dlrover_hpc.localslurm.slurm_procs import alive, run
 
 
 def ifname(net: str) -> str:

@@ -26,8 +26,8 @@ from typing import Any
 
 import psutil
 
-from dlrover_hpc import progress
-from dlrover_hpc.testing.local_slurm import LocalSlurm
+from dlrover_hpc.localslurm.local_slurm import LocalSlurm
+from dlrover_hpc.worker import progress
 
 AGENT_MARKS = ("dlrover-run", "dlrover_hpc.cli.run")
 #: processes whose command line names dlrover-run without being one: srun of the agents' step

@@ -2,7 +2,7 @@
 
 :class:`LocalSlurmConfig` holds the shape of the cluster (nodes, addresses, bridges); the
 functions render ``slurm.conf``, ``topology.conf`` and the nodes' ``/etc/hosts`` from it.  Pure:
-writing the files is :class:`dlrover_hpc.testing.local_slurm.LocalSlurm`'s job.
+writing the files is :class:`dlrover_hpc.localslurm.local_slurm.LocalSlurm`'s job.
 """
 
 from __future__ import annotations

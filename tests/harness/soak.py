@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from dlrover_hpc.testing.chaos import Chaos, FaultKind, analyze, plan
-from dlrover_hpc.testing.local_slurm import LocalSlurm
+from dlrover_hpc.localslurm.local_slurm import LocalSlurm
+from harness.chaos import Chaos, FaultKind, analyze, plan
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
