@@ -12,7 +12,7 @@ import socket
 import time
 from pathlib import Path
 
-from dlrover_hpc import injections
+from dlrover_hpc import environ, injections
 from dlrover_hpc.agent import promotion
 from dlrover_hpc.agent import watchdog as wd
 from dlrover_hpc.agent.decisions import Next, Outcome, on_assignment, round_outcome, round_over
@@ -36,7 +36,6 @@ from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
 from dlrover_hpc.slurm.env import parse_slurm_env
 from dlrover_hpc.worker import membership
-from dlrover_hpc.worker.hooks import FORWARD_TIMING_ENV
 from dlrover_hpc.worker.progress import PATH_ENV, StopNotice
 
 log = logging.getLogger(__name__)
@@ -308,14 +307,16 @@ class Agent:
         self._round_changed.clear()
         progress_file = wd.progress_template(self._job_id, self.node)  # worker_env: + local rank
         env = {
-            "DLROVER_HPC_MASTER": f"{self.master[0]}:{self.master[1]}",
-            "DLROVER_HPC_JOB_DIR": str(self.job_dir),
-            "DLROVER_HPC_JOB_ID": self._job_id,
-            "DLROVER_HPC_NODE_NAME": self.node,
-            PATH_ENV: progress_file,
-            # Module forward hooks cost a few percent of a small step: only on request.
-            FORWARD_TIMING_ENV: os.environ.get(FORWARD_TIMING_ENV, "0"),
-            **({"DLROVER_HPC_SAVER_SOCKET": self.saver.socket_path} if self.saver else {}),
+            **environ.WorkerEnv(
+                master=f"{self.master[0]}:{self.master[1]}",
+                job_dir=str(self.job_dir),
+                job_id=self._job_id,
+                node_name=self.node,
+                progress_file=progress_file,
+                # Module forward hooks cost a few percent of a small step: only on request.
+                forward_timing=os.environ.get(environ.FORWARD_TIMING) == "1",
+                saver_socket=self.saver.socket_path if self.saver else None,
+            ).to_environ(),
             **self._extra_env,
         }
         self.diagnoser.workers_starting()

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import psutil
 
-from dlrover_hpc import injections
+from dlrover_hpc import environ, injections
 from dlrover_hpc.agent.procs import LogSpec, ProcsResult, WorkerProcs
 from dlrover_hpc.agent.zygote import (
     REQUEUE_BY_ENV,
@@ -66,7 +66,7 @@ def worker_env(
         "TORCHELASTIC_RESTART_COUNT": str(assignment.restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(assignment.max_restarts),
         "TORCHELASTIC_RUN_ID": config.run_id or assignment.run_id,
-        "DLROVER_HPC_ROUND": str(assignment.round),  # the data-sharding client's incarnation
+        environ.ROUND: str(assignment.round),  # the data-sharding client's incarnation
         REQUEUE_BY_ENV: config.requeue_by.value,  # is Slurm's USR1 the worker's to take?
         # Workers join the master's per-round store as clients (a fresh store each round).
         "TORCHELASTIC_USE_AGENT_STORE": "True",
@@ -77,10 +77,10 @@ def worker_env(
     }
     if progress.PATH_ENV in extra:  # a template: one progress record per worker
         env[progress.PATH_ENV] = extra[progress.PATH_ENV].format(local_rank)
-    if "DLROVER_HPC_JOB_DIR" in extra and PARAL_CONFIG_ENV not in os.environ:
+    if environ.JOB_DIR in extra and PARAL_CONFIG_ENV not in os.environ:
         # DLRover's parallelism config: ElasticDataLoader reads its batch size from it after
         # each optimizer step; `dlrover-hpc batch-size N` rewrites it during training.
-        env[PARAL_CONFIG_ENV] = os.path.join(extra["DLROVER_HPC_JOB_DIR"], PARAL_CONFIG)
+        env[PARAL_CONFIG_ENV] = os.path.join(extra[environ.JOB_DIR], PARAL_CONFIG)
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default
     if injections.SLURM_ENV_REWRITE.name not in config.off:

@@ -41,7 +41,7 @@ from typing import IO
 
 import setproctitle
 
-from dlrover_hpc import injections
+from dlrover_hpc import environ, injections
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +67,14 @@ WARM_MODULES = ("sympy",)
 #: stashes a Python object in the thread-local state that gloo's all-reduce work captures; the
 #: work's last reference can then be dropped by gloo's thread while the main thread, holding
 #: the GIL, joins that thread in ``~ProcessGroupGloo``.  A preload that pulls it in
-#: (``DLROVER_HPC_PRELOAD=lightning``) is said at start: preload only what the script imports
+#: (``lightning`` in :data:`environ.PRELOAD`) is said at start: preload only what the script imports
 #: first anyway.
 UNSAFE_PRELOADS = ("torch._dynamo",)
 #: more modules the pre-warmed interpreter imports, comma-separated (a framework: every
 #: worker forked from it skips that import, 3-4 s of CPU for transformers or Lightning); only
 #: modules that start no thread at import (a fork keeps only the forking thread)
-PRELOAD_ENV = "DLROVER_HPC_PRELOAD"
-REQUEUE_BY_ENV = "DLROVER_HPC_REQUEUE_BY"
+PRELOAD_ENV = environ.PRELOAD
+REQUEUE_BY_ENV = environ.REQUEUE_BY
 _PR_SET_PDEATHSIG = 1
 
 

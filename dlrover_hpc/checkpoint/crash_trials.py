@@ -21,12 +21,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dlrover_hpc import environ
 from dlrover_hpc.checkpoint.saver.commit_records import CheckpointDir
 from dlrover_hpc.checkpoint.saver.commits import CommitCounter
 from dlrover_hpc.checkpoint.saver.persist_queue import SaverCore
 from dlrover_hpc.checkpoint.saver.storage import Storage
 
-_KILL_ENV = "DLROVER_HPC_CRASH_KILL_AT"
+_KILL_ENV = environ.CRASH_KILL_AT
 
 
 class _KillAt:
@@ -102,7 +103,7 @@ class Harness:
         for rank in range(2):
             env = WorkerEnv.from_environ(
                 {
-                    "DLROVER_HPC_JOB_ID": job_id,
+                    environ.JOB_ID: job_id,
                     "RANK": str(rank),
                     "WORLD_SIZE": "2",
                     "LOCAL_RANK": str(rank),

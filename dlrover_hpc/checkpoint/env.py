@@ -9,20 +9,21 @@ import re
 import socket
 from collections.abc import Mapping
 
+from dlrover_hpc import environ
 from dlrover_hpc.errors import CheckpointError
 from dlrover_hpc.jobdir import user_name
 
 #: Environment variables set by the agent (dlrover-run) for its workers.
-ENV_SAVER_SOCKET = "DLROVER_HPC_SAVER_SOCKET"
-ENV_JOB_ID = "DLROVER_HPC_JOB_ID"
-ENV_JOB_DIR = "DLROVER_HPC_JOB_DIR"
-ENV_NODE_NAME = "DLROVER_HPC_NODE_NAME"
+ENV_SAVER_SOCKET = environ.SAVER_SOCKET
+ENV_JOB_ID = environ.JOB_ID
+ENV_JOB_DIR = environ.JOB_DIR
+ENV_NODE_NAME = environ.NODE_NAME
 #: Where segments live; `/dev/shm` unless set (e.g. a private `huge=always` tmpfs).
-ENV_SHM_DIR = "DLROVER_HPC_SHM_DIR"
+ENV_SHM_DIR = environ.SHM_DIR
 DEFAULT_SHM_DIR = "/dev/shm"
 #: Where a DISK save goes on its way to storage when shared memory has no room for it: a
 #: disk-backed directory (`$TMPDIR`, else /var/tmp, which distributions keep on disk).
-ENV_SPILL_DIR = "DLROVER_HPC_SPILL_DIR"
+ENV_SPILL_DIR = environ.SPILL_DIR
 SEGMENT_PREFIX = "dlrover-hpc-"
 BUFFERS = ("a", "b")
 

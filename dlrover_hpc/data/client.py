@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from dlrover_hpc import environ
 from dlrover_hpc.config import parse_host_port
 from dlrover_hpc.errors import DlroverHpcError, UsageError
 from dlrover_hpc.protocol import messages as m
@@ -63,15 +64,15 @@ class ShardingClient:
         self.epochs, self.start_batch = num_epochs, start_batch
         self.shuffle, self.seed = shuffle, seed
         env = os.environ
-        missing = [k for k in ("DLROVER_HPC_MASTER", "DLROVER_HPC_ROUND", "RANK") if k not in env]
+        missing = [k for k in (environ.MASTER, environ.ROUND, "RANK") if k not in env]
         if missing:
             raise UsageError(
                 f"dynamic data sharding needs the job master: {', '.join(missing)} not set; run "
                 "the script with dlrover-run"
             )
-        self.round, self.rank = int(env["DLROVER_HPC_ROUND"]), int(env["RANK"])
-        self._master = parse_host_port(env["DLROVER_HPC_MASTER"], flag="DLROVER_HPC_MASTER")
-        self._job_dir = Path(env.get("DLROVER_HPC_JOB_DIR", "."))
+        self.round, self.rank = int(env[environ.ROUND]), int(env["RANK"])
+        self._master = parse_host_port(env[environ.MASTER], flag=environ.MASTER)
+        self._job_dir = Path(env.get(environ.JOB_DIR, "."))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="shards")
         self._thread.start()
@@ -144,7 +145,7 @@ class ShardingClient:
 
 
 def _token(job_dir: Path) -> str:
-    token = os.environ.get("DLROVER_HPC_TOKEN", "")
+    token = os.environ.get(environ.TOKEN, "")
     if token:
         return token
     try:

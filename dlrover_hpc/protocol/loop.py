@@ -4,7 +4,7 @@ installed, else asyncio's own.  An agent's in-process master keeps asyncio's (se
 
 uvloop runs the same asyncio API on libuv, at a fraction of the CPU per connection and per
 frame: what a master answering thousands of agents spends most of its time on (issue 29).
-``DLROVER_HPC_EVENT_LOOP=asyncio`` chooses asyncio's own loop; ``uvloop`` insists on uvloop.
+``asyncio`` in :data:`environ.EVENT_LOOP` chooses asyncio's own loop; ``uvloop`` insists on uvloop.
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ import asyncio
 import os
 from collections.abc import Callable
 
+from dlrover_hpc import environ
 from dlrover_hpc.errors import ConfigError
 
-ENV = "DLROVER_HPC_EVENT_LOOP"
+ENV = environ.EVENT_LOOP
 CHOICES = ("auto", "uvloop", "asyncio")
 
 
 def loop_factory(environ: dict[str, str] | None = None) -> Callable[[], asyncio.AbstractEventLoop]:
-    """What makes a new event loop, as ``DLROVER_HPC_EVENT_LOOP`` asks (default ``auto``)."""
+    """What makes a new event loop, as :data:`environ.EVENT_LOOP` asks (default ``auto``)."""
     env = os.environ if environ is None else environ
     choice = env.get(ENV, "").strip().lower() or "auto"
     if choice not in CHOICES:

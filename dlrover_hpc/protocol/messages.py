@@ -407,7 +407,7 @@ class ShardRequest(Message):
     size: int  # samples per epoch
     shard_size: int
     epochs: int
-    round: int  # the worker's round ($DLROVER_HPC_ROUND)
+    round: int  # the worker's round (environ.ROUND)
     rank: int
     start: int  # batches each rank had drawn at the checkpoint this round restored
     batch_size: int  # samples per batch of this rank

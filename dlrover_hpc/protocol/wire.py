@@ -4,7 +4,7 @@ A frame is a 4-byte big-endian length followed by a UTF-8 JSON object
 ``{"v": VERSION, "type": ..., "id": ..., "body": {...}}``.  Never pickle.  ``id`` pairs a reply
 with its request; server pushes carry ``id: null``.
 
-Authentication (both sides hold the job token ``DLROVER_HPC_TOKEN``): the server sends
+Authentication (both sides hold the job token, :data:`environ.TOKEN`): the server sends
 ``challenge`` with a random nonce; the client answers ``auth`` with
 ``HMAC-SHA256(token, "dlrover-hpc/v1" + nonce)``; the server answers ``auth_ok`` or closes.
 """
@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from dlrover_hpc import environ
 from dlrover_hpc.errors import AuthError, ProtocolError
 
 VERSION = 1
@@ -134,5 +135,5 @@ async def client_handshake(
     if answer.type != "auth_ok":
         raise AuthError(
             f"the master refused the job token ({answer.body.get('error', answer.type)}); "
-            "check DLROVER_HPC_TOKEN matches the master's"
+            f"check {environ.TOKEN} matches the master's"
         )

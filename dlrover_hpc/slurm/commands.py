@@ -3,7 +3,8 @@
 One backend: Slurm's command-line tools. pyslurm, which would call libslurm in-process, has no
 release for the Slurm the tests run (22.05; the package index has pyslurm 25.11 and 18.08 and
 older, and each release builds only against its own Slurm major), so it is not offered:
-``DLROVER_HPC_SLURM_BACKEND=cli`` is accepted, anything else is refused (:func:`check_backend`).
+``cli`` as :data:`environ.SLURM_BACKEND` is accepted, anything else is refused
+(:func:`check_backend`).
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from dlrover_hpc import environ
 from dlrover_hpc.errors import ConfigError, SlurmError
 from dlrover_hpc.slurm.hostnames import expand
 from dlrover_hpc.slurm.parse import parse_oneliner, parse_time_left
 
 log = logging.getLogger(__name__)
 
-BACKEND_ENV = "DLROVER_HPC_SLURM_BACKEND"
+BACKEND_ENV = environ.SLURM_BACKEND
 BACKENDS = ("cli",)
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from dlrover_hpc import environ
 from dlrover_hpc.slurm.hostnames import expand
 
 #: Set by the master on an agent it relaunches in a one-node step (whose SLURM_NODEID is 0):
 #: the node's index in the job's allocation, so the rank order stays the same.
-NODE_ID_ENV = "DLROVER_HPC_SLURM_NODE_ID"
+NODE_ID_ENV = environ.SLURM_NODE_ID
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,8 +80,8 @@ TASK_VARIABLES = {
     "SLURM_NTASKS_PER_NODE": "LOCAL_WORLD_SIZE",
 }
 #: The agent's own value of a rewritten variable, kept for the worker under this prefix
-#: (``DLROVER_HPC_AGENT_SLURM_PROCID``).
-AGENT_PREFIX = "DLROVER_HPC_AGENT_"
+#: (its ``SLURM_PROCID`` as ``AGENT_PREFIX + "SLURM_PROCID"``).
+AGENT_PREFIX = environ.AGENT_PREFIX
 
 
 def worker_task_env(

@@ -41,7 +41,7 @@ What stays as it was:
   stopped or deadlocked rank), is replaced the usual way: the agent ends this node's workers
   and starts new ones, which run the wrapped function from the top;
 - an exception that no round change explains (a bug, an out-of-memory) ends the process as
-  before: the wrapper waits ``DLROVER_HPC_INPROCESS_WAIT_S`` (60 s) for the agent's word after
+  before: the wrapper waits :data:`environ.INPROCESS_WAIT_S` (60 s) for the agent's word after
   a failed collective, since a lost peer is often seen before the master has decided;
 - outside ``dlrover-run`` the wrapper only calls the function.
 
@@ -67,7 +67,7 @@ from typing import ParamSpec, TypeVar
 
 import torch.distributed as dist
 
-from dlrover_hpc import injections
+from dlrover_hpc import environ, injections
 from dlrover_hpc.worker import membership
 from dlrover_hpc.worker.progress import PATH_ENV
 
@@ -79,10 +79,10 @@ log = logging.getLogger(__name__)
 #: thread) and, once it has left, for the next round's word (the training thread waits)
 POLL_S = 0.02
 JOIN_POLL_S = 0.005
-WAIT_ENV = "DLROVER_HPC_INPROCESS_WAIT_S"
+WAIT_ENV = environ.INPROCESS_WAIT_S
 #: after an exception with no notice yet, how long to wait for one before failing as before
 DEFAULT_WAIT_S = 60.0
-ROUND_ENV = "DLROVER_HPC_ROUND"
+ROUND_ENV = environ.ROUND
 NCCL_ERRORS_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 #: after the first sweep, how often the watch shuts the attempt's connections again until the
 #: function has raised (a connection it missed or opened meanwhile)

@@ -12,7 +12,7 @@ only explicit :func:`dlrover_hpc.progress.step` calls and flash-checkpoint saves
 - long phases that are not hangs open a section (:func:`dlrover_hpc.progress.section`):
   ``Module.eval()`` opens ``eval`` until ``train()`` or the next optimizer step, a data
   loader's iterator opens ``data`` until its first batch;
-- with ``DLROVER_HPC_FORWARD_TIMING=1`` the seconds spent in the model's forward are measured
+- with :data:`environ.FORWARD_TIMING` set to 1 the seconds spent in the model's forward are measured
   as well (global module hooks);
 - ``SIGUSR2`` makes faulthandler write every thread's stack to ``<progress file>.stack``: the
   agent's fallback where the kernel forbids reading another process's memory;
@@ -31,10 +31,10 @@ import time
 import weakref
 from typing import Any
 
-from dlrover_hpc import injections
+from dlrover_hpc import environ, injections
 from dlrover_hpc.worker import progress
 
-FORWARD_TIMING_ENV = "DLROVER_HPC_FORWARD_TIMING"
+FORWARD_TIMING_ENV = environ.FORWARD_TIMING
 STACK_SIGNAL = signal.SIGUSR2
 _PR_SET_PTRACER, _PR_SET_PTRACER_ANY = 0x59616D61, ctypes.c_ulong(-1)
 _WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel")

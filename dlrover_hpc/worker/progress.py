@@ -5,7 +5,7 @@
 step and every flash-checkpoint save reports progress already.  Outside ``dlrover-run`` it does
 nothing.
 
-Each rank owns one small record in node-local memory (``$DLROVER_HPC_PROGRESS_FILE``, in
+Each rank owns one small record in node-local memory (:data:`environ.PROGRESS_FILE`, in
 ``/dev/shm``), rewritten in place with one ``pwrite``: the step, the wall time, the seconds the
 step spent in the model's forward (from the module hooks, 0 when unknown), the process id, how
 many times progress was reported, the p99 of the rank's recent step times, and the newest
@@ -38,10 +38,12 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import ParamSpec, TypeVar
 
+from dlrover_hpc import environ
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
-PATH_ENV = "DLROVER_HPC_PROGRESS_FILE"
+PATH_ENV = environ.PROGRESS_FILE
 _RECORD = struct.Struct("<qddqqddd")  # step, time, forward_s, pid, count, p99_s, compute, wait
 _STOP = struct.Struct("<qd")  # the step to stop at, deadline (wall clock); written by the agent
 _STOP_AT = 64  # its offset in the record, after the worker's part

@@ -1,7 +1,7 @@
 """`SaverHost`: the node's checkpoint saver, owned by the agent.
 
 The agent constructs one per node, calls `start()` before spawning workers (and exports
-`DLROVER_HPC_SAVER_SOCKET=<socket_path>` to them), `persist_latest()` when a worker died and
+the saver's socket (`environ.SAVER_SOCKET`) to them), `persist_latest()` when a worker died and
 before restarting the workers, and `close()` at job end, which finishes in-flight persists and
 removes this job's segments on this node.  With a `ReplicaSender`, the agent tells it every
 round's replica servers (`set_replica_peers`) and a `replicate` request copies a segment to

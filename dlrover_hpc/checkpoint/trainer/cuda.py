@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from dlrover_hpc import environ
 from dlrover_hpc.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 #: cudaHostRegisterPortable: the pages count as pinned in every CUDA context of the process
 HOST_REGISTER_PORTABLE = 1
 CUDA_ERROR_CUDART_UNLOADING = 4
-ENV_DEVICE_SNAPSHOT = "DLROVER_HPC_CKPT_DEVICE_SNAPSHOT"
+ENV_DEVICE_SNAPSHOT = environ.CKPT_DEVICE_SNAPSHOT
 #: memory the snapshot leaves free for training: this share of the GPU, and at least 1 GiB
 SNAPSHOT_RESERVE_FRACTION = 0.10
 SNAPSHOT_RESERVE_MIN = 1 << 30
@@ -194,7 +195,7 @@ class SnapshotPolicy:
 
     @classmethod
     def from_env(cls, enabled: bool | None = None) -> SnapshotPolicy:
-        """`enabled` wins; else DLROVER_HPC_CKPT_DEVICE_SNAPSHOT (0/false/off disables)."""
+        """`enabled` wins; else environ.CKPT_DEVICE_SNAPSHOT (0/false/off disables)."""
         if enabled is None:
             raw = os.environ.get(ENV_DEVICE_SNAPSHOT, "1").strip().lower()
             if raw not in {"0", "1", "true", "false", "on", "off", "yes", "no", ""}:

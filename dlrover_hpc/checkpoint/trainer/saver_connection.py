@@ -49,7 +49,7 @@ class SaverLink(Protocol):
 
 
 class SocketLink:
-    """The agent's saver, over `DLROVER_HPC_SAVER_SOCKET`."""
+    """The agent's saver, over the socket named by `environ.SAVER_SOCKET`."""
 
     in_process = False
 
@@ -227,7 +227,7 @@ def _alive(pid: int) -> bool:
 def connect(
     env: WorkerEnv, *, events: EventSink | None, io_threads: int, parts_span_ranks: bool
 ) -> SaverLink:
-    """The agent's saver if `DLROVER_HPC_SAVER_SOCKET` is set, else an in-process one."""
+    """The agent's saver if `environ.SAVER_SOCKET` is set, else an in-process one."""
     if env.saver_socket:
         try:
             return SocketLink(env)

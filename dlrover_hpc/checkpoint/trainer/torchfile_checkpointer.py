@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from dlrover_hpc import environ
 from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
 from dlrover_hpc.checkpoint.env import WorkerEnv, spill_dir
 from dlrover_hpc.checkpoint.formats.torchfile import (
@@ -180,7 +181,7 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
             self._spilled = True
             logger.warning(
                 "checkpoint spilled step=%d seconds=%.3f: %s. This DISK save went to storage "
-                "through %s instead (set DLROVER_HPC_SPILL_DIR to choose where); MEMORY saves "
+                f"through %s instead (set {environ.SPILL_DIR} to choose where); MEMORY saves "
                 "are skipped until shared memory has room",
                 step,
                 blocking,

@@ -1,0 +1,36 @@
+"""The environment dlrover-hpc's processes hand one another (dlrover_hpc.environ)."""
+
+from __future__ import annotations
+
+from dlrover_hpc import environ
+from dlrover_hpc.environ import WorkerEnv
+
+
+def test_a_worker_reads_back_what_its_agent_wrote() -> None:
+    sent = WorkerEnv(
+        master="node1:29400",
+        job_dir="/jobs/7",
+        job_id="7",
+        node_name="node1",
+        saver_socket="/dev/shm/saver.sock",
+        progress_file="/dev/shm/progress-0",
+        forward_timing=True,
+        round=3,
+    )
+    env = sent.to_environ()
+    assert env[environ.MASTER] == "node1:29400" and env[environ.ROUND] == "3"
+    assert WorkerEnv.from_environ(env) == sent
+
+
+def test_unset_values_are_left_out_and_read_as_none() -> None:
+    env = WorkerEnv(job_id="standalone").to_environ()
+    assert env == {environ.JOB_ID: "standalone", environ.FORWARD_TIMING: "0"}
+    back = WorkerEnv.from_environ({**env, environ.ROUND: "x"})
+    assert back.saver_socket is None and back.round is None and not back.forward_timing
+
+
+def test_every_name_carries_the_prefix_a_launcher_forwards() -> None:
+    names = [v for k, v in vars(environ).items() if k.isupper() and isinstance(v, str)]
+    assert len(names) > 20
+    assert all(n.startswith(environ.PREFIX) for n in names)
+    assert environ.name("max-restarts") == environ.PREFIX + "MAX_RESTARTS"
