@@ -10,126 +10,26 @@ import dataclasses
 import math
 import os
 from collections.abc import Mapping
-from enum import Enum
+from typing import Any
 
+from dlrover_hpc import settings
 from dlrover_hpc.errors import ConfigError
+from dlrover_hpc.settings import Setting
 
+# The value types live beneath the settings' declarations; their importers find them here.
+from dlrover_hpc.values import HANG_AUTO as HANG_AUTO
+from dlrover_hpc.values import HANG_CEILING_S as HANG_CEILING_S
+from dlrover_hpc.values import DrainMode as DrainMode
+from dlrover_hpc.values import NodeRange as NodeRange
+from dlrover_hpc.values import RequeueBy as RequeueBy
+from dlrover_hpc.values import describe_hang_timeout as describe_hang_timeout
+from dlrover_hpc.values import parse_hang_timeout as parse_hang_timeout
+from dlrover_hpc.values import parse_host_port as parse_host_port
+from dlrover_hpc.values import parse_nproc as parse_nproc
+from dlrover_hpc.values import parse_rdzv_conf as parse_rdzv_conf
 
-class RequeueBy(Enum):
-    """Who continues a job at a time limit or preemption (Slurm's USR1, SIGTERM)."""
-
-    #: the master saves at a step boundary and continues the job; USR1 never reaches a worker,
-    #: so a framework's own requeue (Lightning's auto-requeue) does not run as well
-    DLROVER_HPC = "dlrover-hpc"
-    #: the agents pass USR1 on to the workers and the master continues nothing: the
-    #: framework's handler (Lightning's SLURMEnvironment, a script's own) requeues the job
-    FRAMEWORK = "framework"
-
-    @classmethod
-    def parse(cls, text: str) -> RequeueBy:
-        """``--requeue-by``'s value (a default from the environment skips argparse's check)."""
-        try:
-            return cls(text)
-        except ValueError:
-            choices = ", ".join(by.value for by in cls)
-            raise ConfigError(f"--requeue-by={text}: expected one of {choices}") from None
-
-
-class DrainMode(Enum):
-    SCONTROL = "scontrol"
-    QUARANTINE = "quarantine"
-    OFF = "off"
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class NodeRange:
-    """``--nnodes``: ``N`` or ``MIN:MAX``."""
-
-    min: int
-    max: int
-
-    @classmethod
-    def parse(cls, text: str, *, flag: str = "--nnodes") -> NodeRange:
-        parts = str(text).split(":")
-        try:
-            if len(parts) == 1:
-                lo = hi = int(parts[0])
-            elif len(parts) == 2:
-                lo, hi = int(parts[0]), int(parts[1])
-            else:
-                raise ValueError(text)
-        except ValueError:
-            raise ConfigError(
-                f"{flag}={text}: expected a node count N or a range MIN:MAX, e.g. {flag}=4 "
-                f"or {flag}=2:4"
-            ) from None
-        return cls._checked(lo, hi, flag)
-
-    @classmethod
-    def _checked(cls, lo: int, hi: int, flag: str) -> NodeRange:
-        if lo < 1:
-            raise ConfigError(f"{flag}={lo}:{hi}: the minimum must be at least 1")
-        if lo > hi:
-            raise ConfigError(
-                f"{flag}={lo}:{hi}: the minimum is larger than the maximum; "
-                f"write MIN:MAX with MIN <= MAX, e.g. {flag}={hi}:{lo}"
-            )
-        return cls(min=lo, max=hi)
-
-    def __str__(self) -> str:
-        return f"{self.min}:{self.max}"
-
-
-def parse_nproc(text: str) -> int:
-    """``--nproc-per-node``: a number, or torchrun's ``auto``/``cpu``/``gpu``."""
-    if text in ("auto", "gpu"):
-        import torch  # only when asked: importing torch is slow
-
-        if torch.cuda.is_available():
-            return int(torch.cuda.device_count())
-        if text == "gpu":
-            raise ConfigError("--nproc-per-node=gpu: no CUDA device is visible on this node")
-        text = "cpu"
-    if text == "cpu":
-        return os.cpu_count() or 1
-    try:
-        value = int(text)
-    except ValueError:
-        raise ConfigError(
-            f"--nproc-per-node={text}: expected a number of workers or auto, cpu, gpu"
-        ) from None
-    if value < 1:
-        raise ConfigError(f"--nproc-per-node={value}: needs at least 1 worker per node")
-    return value
-
-
-def parse_host_port(text: str, *, flag: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{flag}={text}: expected HOST:PORT, e.g. {flag}=node1:29400")
-    return host.strip("[]"), int(port)
-
-
-def parse_rdzv_conf(text: str) -> dict[str, str]:
-    """``--rdzv-conf``: ``KEY=VALUE,...`` (torchrun's spelling)."""
-    out: dict[str, str] = {}
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--rdzv-conf={text}: expected KEY=VALUE,..., got {item!r}")
-        out[key.strip()] = value.strip()
-    return out
-
-
-#: ``--link-timeout``: seconds the agent <-> master connection may go unacknowledged
-#: (TCP_USER_TIMEOUT; keepalive when it is idle) before it fails.  A cut link stalls every
-#: survivor's collective, so this is most of what a link cut costs.  The master's link ticks
-#: (``link_tick_s``) keep data in flight, so the kernel gives up this long after the first tick
-#: past the cut, not at its next whole-second keepalive probe.  1 s of no acknowledgement is
-#: three lost transmissions (Linux retransmits after 0.2 and 0.6 s); the acknowledgements come
-#: from the peer's kernel, so a busy agent or master does not delay them, and a link
-#: rate-limited to 256 kbit and full left at most 0.52 s unacknowledged in 120 s here.
-DEFAULT_LINK_TIMEOUT_S = 1.0
+#: ``--link-timeout``'s default (:data:`dlrover_hpc.settings.LINK_TIMEOUT`).
+DEFAULT_LINK_TIMEOUT_S = settings.LINK_TIMEOUT.default
 #: The master's link ticks: at most this many a second over all agents (see
 #: ``MasterConfig.link_tick_s``); past that the keepalive probes alone find a cut link.
 LINK_TICKS_PER_S = 1024
@@ -151,48 +51,11 @@ def check_link_timeout(value: float) -> None:
         )
 
 
-#: ``--scale-up-wait``: how long a scale-up (a node returning to a job running below MAX) may
-#: wait for the next checkpoint, so that the restart that takes the node in redoes no step.
-DEFAULT_SCALE_UP_WAIT_S = 300.0
+DEFAULT_SCALE_UP_WAIT_S = settings.SCALE_UP_WAIT.default
+DEFAULT_RECONNECT_TIMEOUT_S = settings.RECONNECT_TIMEOUT.default
 
 
-#: ``--reconnect-timeout``: how long an agent whose master connection dropped keeps trying to
-#: reconnect (its workers train on meanwhile) before it stops them and exits.
-DEFAULT_RECONNECT_TIMEOUT_S = 120.0
-
-
-#: ``--hang-timeout auto`` (the default): how long no rank may progress is learned from the
-#: job's own step times, with its own bound for each long phase (:mod:`dlrover_hpc.master.hangs`);
-#: a number of seconds is a fixed bound for everything; 0 is off.  ``auto`` is this sentinel.
-HANG_AUTO = -1.0
-#: With ``auto`` no bound is longer than this (gloo's and NCCL's own collective timeout).
-HANG_CEILING_S = 1800.0
-DEFAULT_HANG_TIMEOUT = "auto"
-
-
-def parse_hang_timeout(text: str, flag: str = "--hang-timeout") -> float:
-    """``auto`` (:data:`HANG_AUTO`), 0 (off) or a positive number of seconds."""
-    if text.strip().lower() == "auto":
-        return HANG_AUTO
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (value >= 0 and math.isfinite(value)):  # -1 too: auto is spelt "auto"
-        raise ConfigError(
-            f"{flag}={text}: must be auto, 0 (off) or seconds, e.g. {flag}={HANG_CEILING_S:g}"
-        )
-    return value
-
-
-def describe_hang_timeout(value: float) -> str:
-    return "auto" if value == HANG_AUTO else ("off" if value == 0 else f"{value:g} s")
-
-
-#: ``--straggler-factor``: a rank whose compute per step (data, forward, backward, optimizer)
-#: takes this many times its peers' median while they wait for it, for 20 s, is a runtime
-#: straggler (fail-slow; :func:`dlrover_hpc.master.hangs.stragglers`); 0 is off.
-DEFAULT_STRAGGLER_FACTOR = 2.0
+DEFAULT_STRAGGLER_FACTOR = settings.STRAGGLER_FACTOR.default
 
 
 def check_seconds(
@@ -209,10 +72,10 @@ def check_seconds(
         )
 
 
-def env_default(name: str, default: str | None, env: Mapping[str, str] | None = None) -> str | None:
-    """Default of a flag from ``DLROVER_HPC_<NAME>`` (flags win over the environment)."""
+def env_default(setting: Setting[Any], env: Mapping[str, str] | None = None) -> Any:
+    """Default of a flag from its variable, else its built-in text (flags win over both)."""
     env = os.environ if env is None else env
-    return env.get("DLROVER_HPC_" + name.upper().replace("-", "_"), default)
+    return env.get(setting.env, setting.text)
 
 
 #: The most heartbeats a second the master is sent (see MasterConfig.heartbeat_every_s): each
@@ -222,37 +85,41 @@ HEARTBEATS_PER_S = 512
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class MasterConfig:
-    host: str = "0.0.0.0"
-    port: int = 0
-    nnodes: NodeRange = NodeRange(min=1, max=1)
-    node_unit: int = 1
-    topology: str | None = None
-    drain: DrainMode = DrainMode.SCONTROL
+    host: str = settings.HOST.default
+    port: int = settings.PORT.default
+    nnodes: NodeRange = settings.NNODES.default
+    node_unit: int = settings.NODE_UNIT.default
+    topology: str | None = settings.TOPOLOGY.default
+    drain: DrainMode = settings.DRAIN.default
     job_dir: str = ".dlrover-hpc"
     job_id: str = "standalone"
-    max_restarts: int = 3
+    max_restarts: int = settings.MAX_RESTARTS.default
     heartbeat_interval_s: float = 2.0
-    heartbeat_timeout_s: float = 15.0
-    last_call_s: float = 3.0
+    heartbeat_timeout_s: float = settings.HEARTBEAT_TIMEOUT.default
+    last_call_s: float = settings.LAST_CALL.default
     rendezvous_timeout_s: float = 600.0
-    min_nodes_timeout_s: float = 300.0
-    netcheck_timeout_s: float = 30.0
-    link_timeout_s: float = DEFAULT_LINK_TIMEOUT_S  # a silent agent connection fails after this
+    min_nodes_timeout_s: float = settings.MIN_NODES_TIMEOUT.default
+    netcheck_timeout_s: float = settings.NETCHECK_TIMEOUT.default
+    #: a silent agent connection fails after this
+    link_timeout_s: float = settings.LINK_TIMEOUT.default
     #: a node that could join the running round (returning, or a replacement) waits for the
     #: next checkpoint at most this long (0: it joins at once; ``--scale-up-wait``)
-    scale_up_wait_s: float = DEFAULT_SCALE_UP_WAIT_S
-    replacement_sbatch: str | None = None  # template of replacement jobs; None: no replacements
-    requeue: bool = True  # below MIN nodes for min_nodes_timeout_s: scontrol requeue (Slurm)
+    scale_up_wait_s: float = settings.SCALE_UP_WAIT.default
+    #: template of replacement jobs; None: no replacements
+    replacement_sbatch: str | None = settings.REPLACEMENT_SBATCH.default
+    #: below MIN nodes for min_nodes_timeout_s: scontrol requeue (Slurm)
+    requeue: bool = settings.REQUEUE.default
     embedded: bool = False  # runs inside an agent (no master step): said in master.json
     #: ``--hang-timeout`` (0: take the agents'; :data:`HANG_AUTO`: learned from the step times)
-    hang_timeout_s: float = 0.0
-    metrics_port: int = 0  # Prometheus metrics on http://HOST:PORT/metrics; 0: off
+    hang_timeout_s: float = settings.MASTER_HANG_TIMEOUT.default
+    #: Prometheus metrics on http://HOST:PORT/metrics; 0: off
+    metrics_port: int = settings.METRICS_PORT.default
     #: time limits and preemption: new runs of the job (requeue or resubmission); 0: none
-    max_continuations: int = 5
+    max_continuations: int = settings.MAX_CONTINUATIONS.default
     #: seconds before the time limit at which the master stops the job on its own (0: never)
-    stop_lead_s: float = 90.0
+    stop_lead_s: float = settings.STOP_LEAD.default
     #: FRAMEWORK: no continuation, no stop ahead of the time limit, USR1 ignored
-    requeue_by: RequeueBy = RequeueBy.DLROVER_HPC
+    requeue_by: RequeueBy = settings.REQUEUE_BY.default
 
     @property
     def heartbeat_every_s(self) -> float:
@@ -359,15 +226,17 @@ class RunConfig:
     rdzv_conf: dict[str, str]
     training_script: str
     training_script_args: tuple[str, ...]
-    link_timeout_s: float = DEFAULT_LINK_TIMEOUT_S  # a silent master connection fails after this
-    reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S
+    #: a silent master connection fails after this
+    link_timeout_s: float = settings.LINK_TIMEOUT.default
+    reconnect_timeout_s: float = settings.RECONNECT_TIMEOUT.default
     #: the command line that started this agent (the master relaunches it with it); () unknown
     launch_argv: tuple[str, ...] = ()
     #: ``--rdzv-endpoint HOST[:PORT]``: with no master running, the agent on HOST embeds one
-    rdzv_endpoint: str = ""
-    hang_timeout_s: float = HANG_AUTO
-    straggler_factor: float = DEFAULT_STRAGGLER_FACTOR  # 0: no forward timing
-    requeue_by: RequeueBy = RequeueBy.DLROVER_HPC  # does Slurm's USR1 reach the workers?
+    rdzv_endpoint: str = settings.RDZV_ENDPOINT.default
+    hang_timeout_s: float = settings.HANG_TIMEOUT.default
+    straggler_factor: float = settings.STRAGGLER_FACTOR.default  # 0: no forward timing
+    #: does Slurm's USR1 reach the workers?
+    requeue_by: RequeueBy = settings.REQUEUE_BY.default
     #: what the agent does not put into its workers (names of dlrover_hpc.injections.ALL)
     off: frozenset[str] = frozenset()
 
@@ -376,7 +245,7 @@ class RunConfig:
         if self.standalone and self.master:
             raise ConfigError(
                 "--standalone runs its own in-process master; drop --master "
-                "(or unset DLROVER_HPC_MASTER) or drop --standalone"
+                f"(or unset {settings.MASTER.env}) or drop --standalone"
             )
         if self.standalone and nnodes.max != 1:
             raise ConfigError(f"--standalone is for one node; got --nnodes={nnodes}")
@@ -421,3 +290,35 @@ class RunConfig:
                 f"the master's connection drops) or more seconds, e.g. "
                 f"--reconnect-timeout={DEFAULT_RECONNECT_TIMEOUT_S:g}"
             )
+
+
+def embedded_master_config(
+    run: RunConfig,
+    *,
+    host: str,
+    port: int,
+    job_dir: str,
+    job_id: str,
+    embedded: bool = False,
+    requeue: bool = settings.REQUEUE.default,
+    last_call_s: float = settings.LAST_CALL.default,
+) -> MasterConfig:
+    """The config of a master that an agent runs in-process (``--standalone``, or the embedded
+    master of a torchrun-style job): every setting that ``dlrover-run`` and ``dlrover-hpc
+    master`` both take comes from the agent's ``run`` (its ``--requeue-by`` too, so that a
+    framework's requeue is not doubled by the master's own), the rest from the arguments."""
+    copied = {
+        field: getattr(run, field)
+        for setting in settings.shared(settings.Command.RUN, settings.Command.MASTER)
+        if (field := setting.config_field) and setting is not settings.JOB_DIR
+    }
+    return MasterConfig(
+        host=host,
+        port=port,
+        job_dir=job_dir,
+        job_id=job_id,
+        embedded=embedded,
+        requeue=requeue,
+        last_call_s=last_call_s,
+        **copied,
+    )

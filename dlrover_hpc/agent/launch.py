@@ -13,7 +13,7 @@ from pathlib import Path
 from dlrover_hpc.agent import embedded
 from dlrover_hpc.agent.agent import Agent, start_zygote
 from dlrover_hpc.agent.zygote import Zygote
-from dlrover_hpc.config import MasterConfig, NodeRange, RunConfig, parse_host_port
+from dlrover_hpc.config import RunConfig, embedded_master_config, parse_host_port
 from dlrover_hpc.errors import ConfigError
 from dlrover_hpc.jobdir import default_job_dir, make_job_dir
 from dlrover_hpc.master.thread import MasterThread
@@ -103,15 +103,12 @@ def _run_embedded(
     if plan.host:
         token = resolve_token(job_dir, create=True)
         thread = MasterThread(
-            MasterConfig(
+            embedded_master_config(
+                config,
                 host="0.0.0.0",
                 port=plan.port,
-                nnodes=config.nnodes,
-                node_unit=config.node_unit,
                 job_dir=str(job_dir),
                 job_id=os.environ.get("SLURM_JOB_ID") or config.run_id or "embedded",
-                max_restarts=config.max_restarts,
-                link_timeout_s=config.link_timeout_s,
                 requeue=False,
                 embedded=True,
             ),
@@ -148,13 +145,12 @@ def _run_standalone(config: RunConfig, zygote: Zygote | None) -> int:
     )
     token = resolve_token(job_dir, create=True)  # 0600: `dlrover-hpc status|stacks` use it
     master = MasterThread(
-        MasterConfig(
+        embedded_master_config(
+            config,
             host="127.0.0.1",
             port=0,
-            nnodes=NodeRange(min=1, max=1),
             job_dir=str(job_dir),
             job_id=config.run_id or f"standalone-{os.getpid()}",
-            max_restarts=config.max_restarts,
             last_call_s=0.0,
         ),
         token=token,

@@ -8,176 +8,29 @@ import logging
 import os
 import socket
 
-from dlrover_hpc import topology
+from dlrover_hpc import settings, topology
 from dlrover_hpc.cli import site_config
 from dlrover_hpc.cli.parser import Parser
 from dlrover_hpc.cli.site_config import Defaults
-from dlrover_hpc.config import (
-    DEFAULT_LINK_TIMEOUT_S,
-    DEFAULT_SCALE_UP_WAIT_S,
-    DrainMode,
-    MasterConfig,
-    NodeRange,
-    RequeueBy,
-    env_default,
-    parse_hang_timeout,
-)
+from dlrover_hpc.config import MasterConfig, env_default
 from dlrover_hpc.errors import ConfigError, DlroverHpcError, UsageError
 from dlrover_hpc.jobdir import default_job_dir
+from dlrover_hpc.settings import Command
 
 
 def register_master(sub: argparse._SubParsersAction, defaults: Defaults | None = None) -> None:
     """``defaults``: the flags' defaults (environment only when None)."""
-    defaults = defaults or Defaults("master")
+    defaults = defaults or Defaults(Command.MASTER.value)
     p = sub.add_parser(
         "master",
         help="run the job master (step 0 of a job)",
         description="Run the job master: rendezvous, node ranks in topology order, failure "
         "policy, network checks, drain/quarantine and replacements. Every flag can also come "
-        "from DLROVER_HPC_<FLAG> (e.g. DLROVER_HPC_NNODES=4:4), and from the [master] section "
-        "of the TOML files (see 'dlrover-hpc config show master').",
+        f"from {settings.PREFIX}<FLAG> (e.g. {settings.NNODES.env}=4:4), and from the [master] "
+        "section of the TOML files (see 'dlrover-hpc config show master').",
     )
-    p.add_argument(
-        "--host",
-        default=defaults.value("host", "0.0.0.0"),
-        help="address to listen on (default 0.0.0.0)",
-    )
-    p.add_argument(
-        "--port",
-        type=int,
-        default=defaults.value("port", "0"),
-        help="port to listen on; 0 picks a free one (default 0)",
-    )
-    p.add_argument(
-        "--nnodes",
-        default=defaults.value("nnodes", "1:1"),
-        help="N or MIN:MAX nodes in the training group",
-    )
-    p.add_argument(
-        "--node-unit",
-        type=int,
-        default=defaults.value("node_unit", "1"),
-        help="admit nodes only in multiples of N",
-    )
-    p.add_argument(
-        "--topology",
-        default=defaults.value("topology", None),
-        help="switch topology file (Slurm topology.conf or ASW PSW HOST list)",
-    )
-    p.add_argument(
-        "--drain",
-        default=defaults.value("drain", "scontrol"),
-        choices=[m.value for m in DrainMode],
-        help="what to do with a faulty node (default scontrol; falls back to "
-        "quarantine when Slurm refuses)",
-    )
-    p.add_argument(
-        "--job-dir",
-        default=defaults.value("job_dir", None),
-        help="job directory (default $SLURM_SUBMIT_DIR/.dlrover-hpc/$SLURM_JOB_ID)",
-    )
-    p.add_argument(
-        "--max-restarts",
-        type=int,
-        default=defaults.value("max_restarts", "3"),
-        help="worker-group restarts allowed for the whole job (default 3)",
-    )
-    p.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=defaults.value("heartbeat_timeout", "15"),
-        help="seconds without a heartbeat before an agent counts as lost",
-    )
-    p.add_argument(
-        "--link-timeout",
-        type=float,
-        default=defaults.value("link_timeout", f"{DEFAULT_LINK_TIMEOUT_S:g}"),
-        help="seconds of silence before an agent's connection fails (TCP keepalive and "
-        "TCP_USER_TIMEOUT), so a node whose link is cut is lost within seconds, not after "
-        f"--heartbeat-timeout (default {DEFAULT_LINK_TIMEOUT_S:g})",
-    )
-    p.add_argument(
-        "--last-call",
-        type=float,
-        default=defaults.value("last_call", "3"),
-        help="seconds to wait for more nodes once MIN have joined (default 3)",
-    )
-    p.add_argument(
-        "--scale-up-wait",
-        type=float,
-        default=defaults.value("scale_up_wait", f"{DEFAULT_SCALE_UP_WAIT_S:g}"),
-        help="seconds a node that could join the running job (back from a fault, or a "
-        "replacement) may wait for the job's next checkpoint, so that the restart taking it "
-        "in redoes no step; a fault meanwhile takes it in at once. 0: at once "
-        f"(default {DEFAULT_SCALE_UP_WAIT_S:g})",
-    )
-    p.add_argument(
-        "--netcheck-timeout",
-        type=float,
-        default=defaults.value("netcheck_timeout", "30"),
-        help="seconds a network-check probe may take before its group counts as failed",
-    )
-    p.add_argument(
-        "--replacement-sbatch",
-        default=defaults.value("replacement_sbatch", None),
-        help="sbatch template of replacement jobs (sbatch/replacement.sbatch; train.sbatch "
-        "sets it); 'off' disables replacement jobs",
-    )
-    p.add_argument(
-        "--min-nodes-timeout",
-        type=float,
-        default=defaults.value("min_nodes_timeout", "300"),
-        help="seconds below MIN nodes before the job is requeued (default 300)",
-    )
-    p.add_argument(
-        "--hang-timeout",
-        default=defaults.value("hang_timeout", "0", env="DLROVER_HPC_MASTER_HANG_TIMEOUT"),
-        help="auto (learned from the step times), seconds with no progress on any rank before "
-        "the stacks are dumped and the workers restart (default 0: the agents' --hang-timeout; "
-        "$DLROVER_HPC_MASTER_HANG_TIMEOUT)",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=defaults.value("metrics_port", "0"),
-        help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off; also "
-        "$DLROVER_HPC_METRICS_PORT)",
-    )
-    p.add_argument(
-        "--requeue",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.switch("requeue", True),
-        help="under Slurm, requeue the job when it stays below MIN nodes (default on)",
-    )
-    p.add_argument(
-        "--max-continuations",
-        type=int,
-        default=defaults.value("max_continuations", "5"),
-        help="at a time limit or preemption, save and continue the job in a new run "
-        "(requeue, else resubmission) at most this many times (default 5; 0: never)",
-    )
-    p.add_argument(
-        "--stop-lead",
-        type=float,
-        default=defaults.value("stop_lead", "90"),
-        help="seconds before the time limit at which the job saves and stops on its own, "
-        "when no --signal came first (default 90; 0: off)",
-    )
-    p.add_argument(
-        "--requeue-by",
-        choices=[by.value for by in RequeueBy],
-        default=defaults.value("requeue_by", RequeueBy.DLROVER_HPC.value),
-        help="who continues the job at a time limit or preemption: dlrover-hpc (default) or "
-        "framework (USR1 ignored here, no stop ahead of the limit, no continuation: the "
-        "workers' framework requeues); the agents' --requeue-by, as train.sbatch passes it",
-    )
-    p.add_argument(
-        "--config",
-        metavar="FILE",
-        default=None,
-        help="TOML file of flag defaults ([master] section), over the user's and the site's "
-        f"(default ${site_config.CONFIG_ENV}); see 'dlrover-hpc config show'",
-    )
+    for setting in settings.BY_COMMAND[Command.MASTER]:
+        defaults.add(p, setting)
     # origins: where each default came from, for error messages
     p.set_defaults(func=_master, origins=defaults.origins)
 
@@ -199,36 +52,10 @@ def master_config(args: argparse.Namespace) -> MasterConfig:
 
 
 def _master_config(args: argparse.Namespace) -> MasterConfig:
-    try:
-        drain = DrainMode(args.drain)  # a default from DLROVER_HPC_DRAIN skips argparse's check
-    except ValueError:
-        choices = ", ".join(mode.value for mode in DrainMode)
-        raise ConfigError(f"--drain={args.drain}: expected one of {choices}") from None
+    values = site_config.config_values(args, Command.MASTER)
     return MasterConfig(
-        host=args.host,
-        port=args.port,
-        nnodes=NodeRange.parse(args.nnodes),
-        node_unit=args.node_unit,
-        topology=args.topology,
-        drain=drain,
-        job_dir=args.job_dir or default_job_dir(),
+        **values | {"job_dir": args.job_dir or default_job_dir()},
         job_id=os.environ.get("SLURM_JOB_ID", "standalone"),
-        max_restarts=args.max_restarts,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        link_timeout_s=args.link_timeout,
-        scale_up_wait_s=args.scale_up_wait,
-        last_call_s=args.last_call,
-        netcheck_timeout_s=args.netcheck_timeout,
-        replacement_sbatch=None
-        if args.replacement_sbatch in (None, "", "off")
-        else args.replacement_sbatch,
-        min_nodes_timeout_s=args.min_nodes_timeout,
-        requeue=args.requeue,
-        hang_timeout_s=parse_hang_timeout(str(args.hang_timeout)),
-        metrics_port=args.metrics_port,
-        max_continuations=args.max_continuations,
-        stop_lead_s=args.stop_lead,
-        requeue_by=RequeueBy.parse(args.requeue_by),
     )
 
 
@@ -325,11 +152,11 @@ def register_status(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "status",
         help="nodes, node ranks, states and restarts of a running job",
-        description="Ask the job master (found through --master, $DLROVER_HPC_MASTER or the "
+        description=f"Ask the job master (found through --master, ${settings.MASTER.env} or the "
         "job directory's master.json) for its node table.",
     )
-    p.add_argument("--master", default=env_default("master", None), help="HOST:PORT")
-    p.add_argument("--job-dir", default=env_default("job_dir", None), help="job directory")
+    p.add_argument("--master", default=env_default(settings.MASTER), help="HOST:PORT")
+    p.add_argument("--job-dir", default=env_default(settings.JOB_DIR), help="job directory")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
         "--nodes",
@@ -376,7 +203,7 @@ def register_report(sub: argparse._SubParsersAction) -> None:
         "job_finished), the time lost per cause, restarts, checkpoint figures and a table "
         "per node.",
     )
-    p.add_argument("--job-dir", default=env_default("job_dir", None), help="job directory")
+    p.add_argument("--job-dir", default=env_default(settings.JOB_DIR), help="job directory")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the timeline to FILE.png")
     p.set_defaults(func=_report)
@@ -413,8 +240,8 @@ def register_stacks(sub: argparse._SubParsersAction) -> None:
         "(py-spy, as the job's user) and print them grouped: the odd rank out stands out. "
         "The stacks are kept in the job directory's stacks/.",
     )
-    p.add_argument("--master", default=env_default("master", None), help="HOST:PORT")
-    p.add_argument("--job-dir", default=env_default("job_dir", None), help="job directory")
+    p.add_argument("--master", default=env_default(settings.MASTER), help="HOST:PORT")
+    p.add_argument("--job-dir", default=env_default(settings.JOB_DIR), help="job directory")
     p.set_defaults(func=_stacks)
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import difflib
 
+from dlrover_hpc import settings
 from dlrover_hpc.cli import run_args
 from dlrover_hpc.cli.run_args import section_parser, section_parsers
 from dlrover_hpc.cli.site_config import (
     COMMANDS,
     CONFIG_ENV,
+    SITE_ENV,
     ConfigFiles,
     Layer,
     Origin,
@@ -19,7 +21,7 @@ from dlrover_hpc.cli.site_config import (
 )
 from dlrover_hpc.errors import UsageError
 
-PRECEDENCE = "flag > env DLROVER_HPC_<FLAG> > config > user > site > default"
+PRECEDENCE = f"flag > env {settings.PREFIX}<FLAG> > config > user > site > default"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "config",
         help="the TOML configuration: each flag's value and where it comes from",
         description="dlrover-run's and dlrover-hpc master's flags can be set in TOML files: "
-        "the site's (/etc/dlrover-hpc/config.toml, or $DLROVER_HPC_SITE_CONFIG), the user's "
+        f"the site's (/etc/dlrover-hpc/config.toml, or ${SITE_ENV}), the user's "
         "($XDG_CONFIG_HOME/dlrover-hpc/config.toml, default ~/.config) and --config FILE (or "
         f"${CONFIG_ENV}), under [run] and [master], keys named as the long flags with "
         f"underscores (max_restarts = 7). Precedence: {PRECEDENCE}.",

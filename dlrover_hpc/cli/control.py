@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from dlrover_hpc import settings
 from dlrover_hpc.config import env_default
 
 
@@ -16,8 +17,8 @@ def register_stop(sub: argparse._SubParsersAction) -> None:
         "time_limit_reached or job_preempted, and continues (scontrol requeue, else a "
         "resubmission) up to the master's --max-continuations.",
     )
-    p.add_argument("--master", default=env_default("master", None), help="HOST:PORT")
-    p.add_argument("--job-dir", default=env_default("job_dir", None), help="job directory")
+    p.add_argument("--master", default=env_default(settings.MASTER), help="HOST:PORT")
+    p.add_argument("--job-dir", default=env_default(settings.JOB_DIR), help="job directory")
     p.add_argument(
         "--kind",
         choices=["time_limit", "preempted"],
@@ -44,7 +45,7 @@ def register_batch_size(sub: argparse._SubParsersAction) -> None:
         "new batch size after its next optimizer step; ElasticTrainer keeps the global batch.",
     )
     p.add_argument("batch_size", type=int, help="samples per micro-batch and rank")
-    p.add_argument("--job-dir", default=env_default("job_dir", None), help="job directory")
+    p.add_argument("--job-dir", default=env_default(settings.JOB_DIR), help="job directory")
     p.set_defaults(func=_batch_size)
 
 

@@ -1,16 +1,12 @@
 """``dlrover-hpc launch``'s flags and environment turned into a :class:`LaunchConfig`.
 
-The arguments after ``--`` are checked with dlrover-run's own parser, ``DLROVER_HPC_MASTER_OPTS``
-with the ``master`` subcommand's; the launcher (``dlrover_hpc.ssh``) gets the checked values.
-Settings without a flag of their own come from the environment, like every dlrover-hpc flag:
-
-``DLROVER_HPC_BLOCKLIST``        a blocklist shared by jobs (besides the job dir's blocklist.txt)
-``DLROVER_HPC_KNOWN_HOSTS``      known_hosts file (default ~/.ssh/known_hosts)
-``DLROVER_HPC_SSH_CONFIG``       OpenSSH client config (default ~/.ssh/config)
-``DLROVER_HPC_SSH_PORT``         SSH port (default 22 or the config's)
-``DLROVER_HPC_CONNECT_TIMEOUT``  seconds to reach a host (default 10)
-``DLROVER_HPC_REMOTE_PYTHON``    Python on the hosts (default: this one, same path)
-``DLROVER_HPC_MASTER_OPTS``      extra ``dlrover-hpc master`` flags, e.g. --heartbeat-timeout=5
+The arguments after ``--`` are checked with dlrover-run's own parser, the master-options
+variable (:data:`dlrover_hpc.settings.MASTER_OPTS`, e.g. ``--heartbeat-timeout=5``) with the
+``master`` subcommand's; the launcher (``dlrover_hpc.ssh``) gets the checked values.  Settings
+without a flag of their own come from the environment, like every dlrover-hpc flag: each of
+:data:`dlrover_hpc.settings.BY_COMMAND`'s launch settings (a blocklist shared by jobs, the
+known_hosts file, the OpenSSH client config, the SSH port, seconds to reach a host (default 10),
+the Python on the hosts (default: this one, same path) and the master's extra flags).
 """
 
 from __future__ import annotations
@@ -27,10 +23,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from dlrover_hpc import settings
 from dlrover_hpc.cli import run_args
 from dlrover_hpc.cli.commands import master_config, register_master
 from dlrover_hpc.config import DrainMode, MasterConfig, NodeRange
 from dlrover_hpc.errors import ConfigError, UsageError
+from dlrover_hpc.settings import Command, Setting
 from dlrover_hpc.ssh.hostfile import load_hostfile
 from dlrover_hpc.ssh.plan import RunArgs, drop_launcher_flags
 
@@ -39,22 +37,14 @@ if TYPE_CHECKING:
     from dlrover_hpc.ssh.launcher import LaunchConfig
 
 # Forwarded to the agents (through the helper's stdin, never on a command line).
-FORWARD_PREFIXES = ("DLROVER_HPC_", "NCCL_", "GLOO_", "TORCH_", "OMP_", "CUDA_", "PYTHONPATH")
+FORWARD_PREFIXES = (settings.PREFIX, "NCCL_", "GLOO_", "TORCH_", "OMP_", "CUDA_", "PYTHONPATH")
 # The launcher's own settings, or set per host by it: not forwarded.
 _NOT_FORWARDED = frozenset(
     {
-        "DLROVER_HPC_TOKEN",
-        "DLROVER_HPC_MASTER",
-        "DLROVER_HPC_MASTER_OPTS",
-        "DLROVER_HPC_JOB_DIR",
-        "DLROVER_HPC_NNODES",
-        "DLROVER_HPC_NPROC_PER_NODE",
-        "DLROVER_HPC_BLOCKLIST",
-        "DLROVER_HPC_KNOWN_HOSTS",
-        "DLROVER_HPC_SSH_CONFIG",
-        "DLROVER_HPC_SSH_PORT",
-        "DLROVER_HPC_CONNECT_TIMEOUT",
-        "DLROVER_HPC_REMOTE_PYTHON",
+        settings.PREFIX + "TOKEN",
+        *(s.env for s in (settings.MASTER, settings.JOB_DIR, settings.NNODES)),
+        settings.NPROC_PER_NODE.env,
+        *(s.env for s in settings.BY_COMMAND[Command.LAUNCH]),
     }
 )
 
@@ -70,10 +60,15 @@ def register_launch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spares", type=int, default=0, help="hosts kept as hot spares")
     p.add_argument("--ssh-user", default=None, help="SSH user (default: yours)")
     p.add_argument("--ssh-key", default=None, help="SSH private key file")
-    # Flags for the environment-only settings above.
-    p.add_argument("--blocklist", default=None, help="blocklist shared by jobs")
-    p.add_argument("--known-hosts", default=None, help="known_hosts file")
-    p.add_argument("--ssh-config", default=None, help="OpenSSH client config file")
+    # Flags for the launch settings that have one (their variables are read in launch_config).
+    for setting in settings.BY_COMMAND[Command.LAUNCH]:
+        if setting.flags:
+            p.add_argument(
+                *setting.flags,
+                dest=setting.key,
+                default=None,
+                help=setting.help_for(Command.LAUNCH),
+            )
     p.add_argument("run_args", nargs=argparse.REMAINDER, help="-- then dlrover-run's arguments")
     p.set_defaults(func=run_launch)
 
@@ -89,19 +84,19 @@ class _OptsParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise ConfigError(
-            f"DLROVER_HPC_MASTER_OPTS: {message}; it takes the flags of "
+            f"{settings.MASTER_OPTS.env}: {message}; it takes the flags of "
             "'dlrover-hpc master' (see its --help)"
         )
 
 
 def master_from_opts(opts: str) -> MasterConfig:
-    """``DLROVER_HPC_MASTER_OPTS`` through the ``master`` subcommand's own parser."""
-    parser = _OptsParser(prog="DLROVER_HPC_MASTER_OPTS", allow_abbrev=False)
+    """The master-options variable through the ``master`` subcommand's own parser."""
+    parser = _OptsParser(prog=settings.MASTER_OPTS.env, allow_abbrev=False)
     register_master(parser.add_subparsers(dest="command"))
     try:
         words = shlex.split(opts)
     except ValueError as exc:
-        raise ConfigError(f"DLROVER_HPC_MASTER_OPTS={opts}: {exc}") from None
+        raise ConfigError(f"{settings.MASTER_OPTS.env}={opts}: {exc}") from None
     args = parser.parse_args(["master", *words])
     config = master_config(args)
     if not any(w == "--drain" or w.startswith("--drain=") for w in words):
@@ -153,16 +148,18 @@ def parse_run_args(tokens: Sequence[str]) -> RunArgs:
     )
 
 
-def _setting(args: argparse.Namespace, name: str, env: Mapping[str, str]) -> str | None:
-    value = getattr(args, name, None)
-    return value if value else env.get(f"DLROVER_HPC_{name.upper()}") or None
+def _setting(
+    args: argparse.Namespace, setting: Setting[str | None], env: Mapping[str, str]
+) -> str | None:
+    value = getattr(args, setting.key, None)
+    return value if value else env.get(setting.env) or setting.default
 
 
 def _check_files(key: str | None, known_hosts: str | None, ssh_config: str | None) -> None:
     """Bad SSH files are the user's to fix once, not an error per host."""
     for flag, path in (
-        ("DLROVER_HPC_KNOWN_HOSTS", known_hosts),
-        ("DLROVER_HPC_SSH_CONFIG", ssh_config),
+        (settings.KNOWN_HOSTS.env, known_hosts),
+        (settings.SSH_CONFIG.env, ssh_config),
     ):
         if path and not Path(path).is_file():
             raise ConfigError(f"{flag}={path}: no such file")
@@ -192,14 +189,15 @@ def launch_config(args: argparse.Namespace, env: Mapping[str, str] | None = None
     hosts = load_hostfile(args.hostfile)
     job_id = f"launch-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     job_dir = Path(run.job_dir or Path.cwd() / ".dlrover-hpc" / job_id).absolute()
+    timeout, ssh_port = settings.CONNECT_TIMEOUT, settings.SSH_PORT
     try:
-        timeout_s = float(env.get("DLROVER_HPC_CONNECT_TIMEOUT", "10"))
-        port = int(env["DLROVER_HPC_SSH_PORT"]) if env.get("DLROVER_HPC_SSH_PORT") else None
+        timeout_s = float(env.get(timeout.env, timeout.text or ""))
+        port = int(env[ssh_port.env]) if env.get(ssh_port.env) else ssh_port.default
     except ValueError as exc:
-        raise ConfigError(f"DLROVER_HPC_CONNECT_TIMEOUT / DLROVER_HPC_SSH_PORT: {exc}") from None
-    shared = _setting(args, "blocklist", env)
-    known_hosts = _setting(args, "known_hosts", env)
-    ssh_config = _setting(args, "ssh_config", env)
+        raise ConfigError(f"{timeout.env} / {ssh_port.env}: {exc}") from None
+    shared = _setting(args, settings.BLOCKLIST, env)
+    known_hosts = _setting(args, settings.KNOWN_HOSTS, env)
+    ssh_config = _setting(args, settings.SSH_CONFIG, env)
     _check_files(args.ssh_key, known_hosts, ssh_config)
     return LaunchConfig(
         hostfile=str(args.hostfile),
@@ -208,7 +206,7 @@ def launch_config(args: argparse.Namespace, env: Mapping[str, str] | None = None
         spares=args.spares,
         job_dir=job_dir,
         job_id=job_id,
-        master=master_from_opts(env.get("DLROVER_HPC_MASTER_OPTS", "")),
+        master=master_from_opts(env.get(settings.MASTER_OPTS.env, settings.MASTER_OPTS.default)),
         shared_blocklist=Path(shared).absolute() if shared else None,
         ssh=SshOptions(
             user=args.ssh_user,
@@ -218,7 +216,7 @@ def launch_config(args: argparse.Namespace, env: Mapping[str, str] | None = None
             port=port,
             connect_timeout_s=timeout_s,
         ),
-        remote_python=env.get("DLROVER_HPC_REMOTE_PYTHON") or sys.executable,
+        remote_python=env.get(settings.REMOTE_PYTHON.env) or sys.executable,
         cwd=os.getcwd(),
         env=forwarded_env(env),
     )

@@ -7,6 +7,8 @@ import os
 import re
 from typing import NoReturn
 
+from dlrover_hpc import settings
+
 
 class Parser(argparse.ArgumentParser):
     """``PROG: error: what is wrong; see 'PROG --help'`` on stderr, exit 2.
@@ -33,10 +35,10 @@ class Parser(argparse.ArgumentParser):
 
 
 def _env_hint(message: str) -> str:
-    """A bad value that came from ``DLROVER_HPC_<FLAG>`` (flag defaults): name the variable."""
+    """A bad value that came from a flag's variable (flag defaults): name the variable."""
     match = re.match(r"argument --([\w-]+)", message)
     if not match:
         return ""
-    name = "DLROVER_HPC_" + match.group(1).replace("-", "_").upper()
+    name = settings.PREFIX + match.group(1).replace("-", "_").upper()
     value = os.environ.get(name)
     return f" (from {name}={value})" if value is not None and f"'{value}'" in message else ""

@@ -4,10 +4,11 @@ master``'s flags.
 Where a flag's value comes from, the first found wins:
 
 1. the flag on the command line;
-2. ``DLROVER_HPC_<FLAG>`` in the environment (an empty value counts as unset);
-3. the file named by ``--config FILE``, else by ``$DLROVER_HPC_CONFIG``;
+2. the flag's environment variable (:data:`dlrover_hpc.settings.PREFIX` and the key in
+   capitals, unless its declaration names another; an empty value counts as unset);
+3. the file named by ``--config FILE``, else by ``--config``'s variable;
 4. the user's file, ``$XDG_CONFIG_HOME/dlrover-hpc/config.toml`` (default ``~/.config``);
-5. the site's file, ``/etc/dlrover-hpc/config.toml`` (``$DLROVER_HPC_SITE_CONFIG`` names
+5. the site's file, ``/etc/dlrover-hpc/config.toml`` (the site-config variable names
    another; set empty: none);
 6. the flag's built-in default.
 
@@ -32,15 +33,21 @@ import tomllib
 import typing
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from dlrover_hpc import settings
 from dlrover_hpc.cli.toml_lines import locate
 from dlrover_hpc.errors import ConfigError
+from dlrover_hpc.settings import Kind, Setting
 
 SITE_FILE = "/etc/dlrover-hpc/config.toml"
-SITE_ENV = "DLROVER_HPC_SITE_CONFIG"
-CONFIG_ENV = "DLROVER_HPC_CONFIG"
+SITE_ENV = settings.SITE_CONFIG.env
+CONFIG_ENV = settings.CONFIG.env
 #: The sections of a file and the command whose flags each sets.
-COMMANDS = {"run": "dlrover-run", "master": "dlrover-hpc master"}
+COMMANDS = {
+    settings.Command.RUN.value: "dlrover-run",
+    settings.Command.MASTER.value: "dlrover-hpc master",
+}
 #: A switch set by the environment: these turn an off switch on, those an on switch off.
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -48,7 +55,7 @@ _FALSE = ("0", "false", "no", "off")
 _NOT_SETTINGS = {
     "training_script": "the training script is given on the command line",
     "training_script_args": "the training script's arguments are given on the command line",
-    "config": "a file cannot name another; pass --config FILE or set DLROVER_HPC_CONFIG",
+    "config": f"a file cannot name another; pass --config FILE or set {CONFIG_ENV}",
     "help": "not a setting",
 }
 
@@ -109,7 +116,7 @@ class ConfigFiles:
         return None
 
     def config_path(self) -> str | None:
-        """The ``--config`` (or ``$DLROVER_HPC_CONFIG``) file, absolute; None without one."""
+        """The ``--config`` file (the flag's, or its variable's), absolute; None without one."""
         return next((os.path.abspath(f.path) for f in self.files if f.layer is Layer.CONFIG), None)
 
 
@@ -146,8 +153,10 @@ class Defaults:
         self.env = os.environ if env is None else env
         self.origins: dict[str, Origin] = {}
 
-    def value(self, key: str, builtin: str | None, *, env: str | None = None) -> str | None:
-        name, entry = env or "DLROVER_HPC_" + key.upper(), self.files.entry(self.section, key)
+    def value(self, setting: Setting[Any]) -> str | None:
+        """A flag's default: its variable, else the files, else its built-in text."""
+        key, name, builtin = setting.key, setting.env, setting.text
+        entry = self.files.entry(self.section, key)
         if self.env.get(name):
             origin = Origin(value=self.env[name], source=Source.ENV, env=name)
         elif entry is not None:
@@ -157,10 +166,11 @@ class Defaults:
         self.origins[key] = origin
         return typing.cast(str | None, origin.value)
 
-    def switch(self, key: str, builtin: bool, *, env: str | None = None) -> bool:
+    def switch(self, setting: Setting[bool]) -> bool:
         """A switch (``key = true``); the environment turns it on with 1/true/yes/on, or off
         with 0/false/no/off when it is on by default."""
-        name, entry = env or "DLROVER_HPC_" + key.upper(), self.files.entry(self.section, key)
+        key, name, builtin = setting.key, setting.env, setting.default
+        entry = self.files.entry(self.section, key)
         text = self.env.get(name, "").strip().lower()
         if text:
             on = text in _TRUE if not builtin else text not in _FALSE
@@ -171,6 +181,57 @@ class Defaults:
             origin = Origin(value=builtin, source=Source.DEFAULT, env=name)
         self.origins[key] = origin
         return bool(origin.value)
+
+    def add(self, group: argparse._ActionsContainer, setting: Setting[Any]) -> None:
+        """``setting``'s flag, its default from here (the section's command's spellings)."""
+        command = settings.Command(self.section)
+        flags, help = setting.flags_in(command), setting.help_for(command)
+        if setting.kind is Kind.SWITCH:
+            group.add_argument(
+                *flags,
+                dest=setting.key,
+                action="store_true",
+                default=self.switch(setting),
+                help=help,
+            )
+            return
+        if setting.kind is Kind.ON_OFF:
+            group.add_argument(
+                *flags,
+                dest=setting.key,
+                action=argparse.BooleanOptionalAction,
+                default=self.switch(setting),
+                help=help,
+            )
+            return
+        kind: Any = _TYPES.get(setting.kind)  # None: the text as it is
+        group.add_argument(
+            *flags,
+            dest=setting.key,
+            type=kind,
+            choices=list(setting.choices) if setting.choices is not None else None,
+            default=self.value(setting) if setting.in_file else None,
+            metavar=setting.metavar,
+            help=help,
+        )
+
+
+_TYPES: dict[Kind, type] = {Kind.INT: int, Kind.FLOAT: float}
+
+
+def config_values(args: argparse.Namespace, command: settings.Command) -> dict[str, Any]:
+    """The config's fields that ``command``'s settings set, each through its parser (in the
+    order of the flags, so that the first bad one is the one named); None stays None."""
+    values: dict[str, Any] = {}
+    for setting in settings.BY_COMMAND[command]:
+        field = setting.config_field
+        if field is None:
+            continue
+        value = getattr(args, setting.key)
+        if setting.parse is not None and value is not None:
+            value = setting.parse(str(value))
+        values[field] = value
+    return values
 
 
 # ------------------------------------------------------------------ finding and reading files
