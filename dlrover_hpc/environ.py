@@ -80,6 +80,8 @@ SLURM_BACKEND = PREFIX + "SLURM_BACKEND"
 SLURM_NODE_ID = PREFIX + "SLURM_NODE_ID"
 #: Modules the agent's zygote imports once for every worker (comma-separated).
 PRELOAD = PREFIX + "PRELOAD"
+#: The log level of every command, when no ``--log-level`` says (default INFO).
+LOG_LEVEL = PREFIX + "LOG_LEVEL"
 
 
 def name(key: str) -> str:

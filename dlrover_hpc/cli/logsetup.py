@@ -8,6 +8,7 @@ import socket
 import sys
 from collections.abc import Callable
 
+from dlrover_hpc import environ
 from dlrover_hpc.errors import DlroverHpcError, UsageError
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def exit_code_of(prog: str, command: Callable[[], int]) -> int:
         name = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
         print(
             f"{prog}: error: {name}: {exc.strerror.lower()}; check the path and its "
-            "permissions (DLROVER_HPC_LOG_LEVEL=DEBUG shows where it failed)",
+            f"permissions ({environ.LOG_LEVEL}=DEBUG shows where it failed)",
             file=sys.stderr,
         )
         return 1
@@ -65,10 +66,10 @@ def setup_logging(role: str, *, level: str | None = None) -> None:
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    name = (level or os.environ.get("DLROVER_HPC_LOG_LEVEL") or "INFO").upper()
+    name = (level or os.environ.get(environ.LOG_LEVEL) or "INFO").upper()
     if name not in _LEVELS:
         raise UsageError(
-            f"log level {name!r} (--log-level or DLROVER_HPC_LOG_LEVEL): expected one of "
+            f"log level {name!r} (--log-level or {environ.LOG_LEVEL}): expected one of "
             + ", ".join(_LEVELS)
         )
     root.setLevel(name)

@@ -7,6 +7,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from dlrover_hpc import environ
 from dlrover_hpc.cli.logsetup import exit_code_of, setup_logging
 from dlrover_hpc.cli.run_args import parse
 from dlrover_hpc.config import RunConfig
@@ -14,7 +15,7 @@ from dlrover_hpc.errors import DlroverHpcError
 
 _START_MASTER = (
     "start the job master first ('dlrover-hpc master'; the sbatch templates do), or fix "
-    "--master / DLROVER_HPC_MASTER"
+    f"--master / {environ.MASTER}"
 )
 
 

@@ -1,4 +1,4 @@
-"""The job token: ``$DLROVER_HPC_TOKEN``, or a 0600 file in the 0700 job directory."""
+"""The job token: :data:`environ.TOKEN`, or a 0600 file in the 0700 job directory."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import os
 import secrets
 from pathlib import Path
 
+from dlrover_hpc import environ
 from dlrover_hpc.errors import ConfigError
 
-TOKEN_ENV = "DLROVER_HPC_TOKEN"
+TOKEN_ENV = environ.TOKEN
 
 
 def resolve_token(job_dir: Path, *, create: bool) -> str:
-    """``$DLROVER_HPC_TOKEN``, else the job directory's ``token`` file (made if ``create``)."""
+    """The job token variable, else the job directory's ``token`` file (made if ``create``)."""
     path = job_dir / "token"
     token = os.environ.get(TOKEN_ENV, "")
     if token:
