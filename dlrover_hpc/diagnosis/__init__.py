@@ -1,1 +1,1 @@
-"""diagnosis."""
+"""Why a worker failed: evidence from its exit and logs, classified by rules."""

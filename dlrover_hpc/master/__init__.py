@@ -1,1 +1,1 @@
-"""master."""
+"""The job master: node table, phases, decisions, their executor, the TCP server."""

@@ -1,1 +1,1 @@
-"""netcheck."""
+"""Pairwise network checks: the plan, the probes over TCP, the faulty nodes they name."""

@@ -1,1 +1,1 @@
-"""protocol."""
+"""The agent <-> master wire: authenticated frames, typed messages, the client."""

@@ -1,1 +1,1 @@
-"""rendezvous."""
+"""Rendezvous: when a round is complete, and the nodes' rank order."""
