@@ -1,21 +1,34 @@
-"""Where a job's directory is (``--job-dir`` and its default), and making it (mode 0700).
+"""The job directory: where it is (``--job-dir`` and its default), making it (mode 0700), and
+the one owner of the master's files in it.
 
 ``$SLURM_SUBMIT_DIR/.dlrover-hpc/$SLURM_JOB_ID`` under Slurm, else under the current directory
-(docs/ARCHITECTURE.md section 4).  Imports nothing from the package but its errors.
+(docs/ARCHITECTURE.md section 4).  The master's files are named here, and written and read only
+through this module: ``master.json`` (where the master listens), ``master.lease`` (its
+renewals), ``journal.jsonl`` and ``events.jsonl`` (their paths; the record logic is
+:mod:`dlrover_hpc.master.journal`'s) and ``hangs/`` (one directory per hang report).  Imports
+nothing from the package but its errors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pwd
 import re
+import socket
+import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from dlrover_hpc.errors import ConfigError
 
 MASTER_INFO = "master.json"  # written by the master once it listens: host, port, pid, job_id
+LEASE = "master.lease"  # rewritten by the serving master every few tenths of a second
+JOURNAL = "journal.jsonl"  # the master's records, replayed by a restarted master
+EVENTS = "events.jsonl"  # the job's event log (the master is its one writer)
+HANGS = "hangs"  # one directory per hang report (stacks, the detector's evidence)
 #: DLRover's parallelism config (``{"dataloader": {"version": N, "batch_size": B}}``): the
 #: workers' ElasticDataLoader reads it; ``dlrover-hpc batch-size`` writes it
 PARAL_CONFIG = "paral_config.json"
@@ -80,3 +93,75 @@ def write_batch_size(job_dir: Path, batch_size: int) -> int:
     tmp.write_text(json.dumps({"dataloader": {"version": version, "batch_size": batch_size}}))
     os.replace(tmp, path)
     return version
+
+
+def journal_path(job_dir: Path) -> Path:
+    return job_dir / JOURNAL
+
+
+def events_path(job_dir: Path) -> Path:
+    return job_dir / EVENTS
+
+
+def hang_report_dir(job_dir: Path, stamp: str) -> Path:
+    """Where the hang report named ``stamp`` goes (not created here)."""
+    return job_dir / HANGS / stamp
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: a reader never sees half of it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_master_info(job_dir: Path, info: Mapping[str, Any]) -> None:
+    """Publish where the master listens (``host``, ``port``, ``pid``, ``epoch`` ...)."""
+    _replace_text(job_dir / MASTER_INFO, json.dumps(dict(info)))
+
+
+def load_master_info(job_dir: Path) -> dict[str, Any]:
+    """``master.json`` as written by :func:`write_master_info`.  Raises OSError when it cannot
+    be read (FileNotFoundError: no master has written it), ValueError when it is no JSON and
+    TypeError when it is no JSON object; callers that only look for a master use
+    :func:`read_master_info`."""
+    info = json.loads((job_dir / MASTER_INFO).read_text())
+    if not isinstance(info, dict):
+        raise TypeError(f"expected a JSON object, found {type(info).__name__}")
+    return info
+
+
+def read_master_info(job_dir: Path) -> dict[str, Any] | None:
+    """``master.json``, or None when it is missing, unreadable or not a JSON object."""
+    try:
+        return load_master_info(job_dir)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def master_address(info: Mapping[str, Any]) -> tuple[str, int]:
+    """``(host, port)`` from a ``master.json``; KeyError or ValueError when it names none."""
+    return str(info["host"]), int(info["port"])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lease:
+    epoch: int
+    time: float  # wall clock of the master's newest renewal
+    host: str
+    pid: int
+
+
+def write_lease(job_dir: Path, epoch: int) -> None:
+    """Renew the lease of the master of ``epoch`` (this process, now)."""
+    lease = Lease(epoch, time.time(), socket.gethostname().split(".")[0], os.getpid())
+    _replace_text(job_dir / LEASE, json.dumps(dataclasses.asdict(lease)))
+
+
+def read_lease(job_dir: Path) -> Lease | None:
+    """The newest renewal, or None when there is none (or a torn one)."""
+    try:
+        raw = json.loads((job_dir / LEASE).read_text())
+        return Lease(int(raw["epoch"]), float(raw["time"]), str(raw["host"]), int(raw["pid"]))
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None

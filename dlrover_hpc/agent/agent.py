@@ -12,7 +12,7 @@ import socket
 import time
 from pathlib import Path
 
-from dlrover_hpc import environ, injections
+from dlrover_hpc import environ, injections, jobdir
 from dlrover_hpc.agent import promotion
 from dlrover_hpc.agent import watchdog as wd
 from dlrover_hpc.agent.decisions import Next, Outcome, on_assignment, round_outcome, round_over
@@ -229,7 +229,7 @@ class Agent:
             node=self.node,
             token=self._token,
             replicas=replicas,
-            events_path=str(self.job_dir / "events.jsonl"),
+            events_path=str(jobdir.events_path(self.job_dir)),
         )
         try:
             return await self._rounds()

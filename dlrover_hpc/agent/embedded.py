@@ -17,7 +17,6 @@ agents can read it.  :func:`plan` is pure; the rest waits on the network and the
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import socket
@@ -28,7 +27,7 @@ from pathlib import Path
 import psutil
 
 from dlrover_hpc.errors import ConfigError
-from dlrover_hpc.jobdir import MASTER_INFO
+from dlrover_hpc.jobdir import MASTER_INFO, master_address, read_master_info
 from dlrover_hpc.master.token import TOKEN_ENV
 from dlrover_hpc.slurm.hostnames import expand
 
@@ -119,14 +118,6 @@ def my_addresses() -> set[str]:
 _INET = (socket.AF_INET, socket.AF_INET6)
 
 
-def read_master_info(job_dir: Path) -> dict[str, object] | None:
-    try:
-        info = json.loads((job_dir / MASTER_INFO).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    return info if isinstance(info, dict) else None
-
-
 def wait_reachable(host: str, port: int, *, deadline: float, what: str) -> None:
     """Until HOST:PORT accepts a TCP connection (the host agent may still be starting)."""
     while True:
@@ -147,7 +138,7 @@ def wait_master_json(job_dir: Path, *, deadline: float) -> tuple[str, int]:
     while True:
         info = read_master_info(job_dir)
         if info is not None:
-            host, port = str(info["host"]), int(str(info["port"]))
+            host, port = master_address(info)
             try:
                 socket.create_connection((host, port), timeout=2).close()
                 return host, port

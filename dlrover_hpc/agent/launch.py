@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
@@ -15,7 +14,15 @@ from dlrover_hpc.agent.agent import Agent, start_zygote
 from dlrover_hpc.agent.zygote import Zygote
 from dlrover_hpc.config import RunConfig, embedded_master_config, parse_host_port
 from dlrover_hpc.errors import ConfigError
-from dlrover_hpc.jobdir import default_job_dir, make_job_dir
+from dlrover_hpc.jobdir import (
+    MASTER_INFO,
+    default_job_dir,
+    load_master_info,
+    make_job_dir,
+    master_address,
+    read_master_info,
+)
+from dlrover_hpc.master import cluster
 from dlrover_hpc.master.thread import MasterThread
 from dlrover_hpc.master.token import resolve_token
 
@@ -26,13 +33,12 @@ MASTER_WAIT_S = 120.0
 
 def find_master(job_dir: Path, *, timeout_s: float = MASTER_WAIT_S) -> tuple[str, int]:
     """``master.json`` in the job directory, written by the master step once it listens."""
-    path = job_dir / "master.json"
+    path = job_dir / MASTER_INFO
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            info = json.loads(path.read_text())
-            return str(info["host"]), int(info["port"])
-        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            return master_address(load_master_info(job_dir))
+        except (FileNotFoundError, ValueError, KeyError):
             if time.monotonic() >= deadline:
                 raise ConfigError(
                     f"no job master found: {path} did not appear within {timeout_s:.0f} s; "
@@ -75,10 +81,10 @@ def _embedded_plan(config: RunConfig, job_dir: Path) -> embedded.Plan | None:
     """A plan to embed the master, or None to wait for a master step's ``master.json``."""
     if not config.rdzv_endpoint and not os.environ.get("SLURM_JOB_ID"):
         return None  # outside Slurm only an endpoint says who would host
-    info = embedded.read_master_info(job_dir)
+    info = read_master_info(job_dir)
     if not config.rdzv_endpoint and info is None and os.environ.get("SLURM_PROCID", "0") == "0":
         time.sleep(TEMPLATE_GRACE_S)  # a master step starting at the same moment wins
-        info = embedded.read_master_info(job_dir)
+        info = read_master_info(job_dir)
     on_job_node = not config.rdzv_endpoint or embedded.on_job_node(config.rdzv_endpoint, os.environ)
     if not on_job_node:
         log.warning(
@@ -114,6 +120,7 @@ def _run_embedded(
             ),
             token=token,
             job_dir=job_dir,
+            cluster=cluster.from_env(),  # Slurm's parts when in a Slurm job
         )
         port = thread.start()
         if port:
@@ -155,6 +162,7 @@ def _run_standalone(config: RunConfig, zygote: Zygote | None) -> int:
         ),
         token=token,
         job_dir=job_dir,
+        cluster=cluster.from_env(),  # a standalone job in a Slurm allocation: Slurm's parts
     )
     port = master.start()
     agent = Agent(config, master=("127.0.0.1", port), token=token, job_dir=job_dir, zygote=zygote)

@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dlrover_hpc.agent import embedded
+from dlrover_hpc import jobdir
 from dlrover_hpc.agent.master_link import MasterLink
-from dlrover_hpc.master import failover
+from dlrover_hpc.master import cluster, failover
 from dlrover_hpc.master.thread import MasterThread
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def promote_after(node_rank: int, slurm_node_id: int | None) -> float:
 
 def master_epoch(job_dir: Path) -> int:
     """The epoch ``master.json`` names (0: none, or a master that predates epochs)."""
-    return _epoch_of(embedded.read_master_info(job_dir))
+    return _epoch_of(jobdir.read_master_info(job_dir))
 
 
 def _epoch_of(info: dict[str, object] | None) -> int:
@@ -59,7 +59,7 @@ def try_promote(job_dir: Path, *, lost_epoch: int, token: str) -> MasterThread |
     or no master ever saved its configuration.  Blocking: call it in a thread."""
     if master_epoch(job_dir) > lost_epoch:
         return None  # a new master is up (or starting): the link finds it in master.json
-    if failover.lease_fresh(failover.read_lease(job_dir), time.time()):
+    if failover.lease_fresh(jobdir.read_lease(job_dir), time.time()):
         log.info("the master renews its lease: it is only unreachable from here; not promoting")
         return None
     config = failover.load_config(job_dir, host="0.0.0.0", port=0, embedded=True)
@@ -70,7 +70,9 @@ def try_promote(job_dir: Path, *, lost_epoch: int, token: str) -> MasterThread |
     if not failover.claim(job_dir, epoch):
         return None
     log.warning("promoted to job master epoch=%d job_dir=%s", epoch, job_dir)
-    thread = MasterThread(config, token=token, job_dir=job_dir, epoch=epoch)
+    thread = MasterThread(
+        config, token=token, job_dir=job_dir, cluster=cluster.from_env(), epoch=epoch
+    )
     if not thread.start():
         log.error("the promoted master could not start; the job has no master")
         return None
@@ -84,11 +86,11 @@ def where_master(
     agent knew), else ``current``.  The first call (``epoch`` 0) only learns the epoch: the
     address the agent was given (``--master``, the endpoint, 127.0.0.1) stays.  ``epoch`` -1:
     the given address does not answer; any master ``master.json`` names is newer."""
-    info = embedded.read_master_info(job_dir)
+    info = jobdir.read_master_info(job_dir)
     newest = _epoch_of(info)
     if info is None or newest <= epoch:
         return current, max(epoch, newest)
-    named = (str(info["host"]), int(str(info["port"])))
+    named = jobdir.master_address(info)
     if epoch == 0 or named == current:
         return current, newest
     log.warning("master.json names a new master epoch=%d at %s:%d", newest, *named)

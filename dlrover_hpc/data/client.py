@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import random
@@ -27,6 +26,7 @@ from pathlib import Path
 from dlrover_hpc import environ
 from dlrover_hpc.config import parse_host_port
 from dlrover_hpc.errors import DlroverHpcError, UsageError
+from dlrover_hpc.jobdir import load_master_info, master_address
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
 
@@ -160,7 +160,6 @@ def _token(job_dir: Path) -> str:
 def _newest_master(job_dir: Path, current: tuple[str, int]) -> tuple[str, int]:
     """``master.json``'s address (a restarted or promoted master), else ``current``."""
     try:
-        info = json.loads((job_dir / "master.json").read_text())
-        return str(info["host"]), int(info["port"])
+        return master_address(load_master_info(job_dir))
     except (OSError, ValueError, KeyError, TypeError):
         return current

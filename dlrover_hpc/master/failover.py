@@ -29,10 +29,11 @@ from typing import Any
 
 from dlrover_hpc.config import DrainMode, MasterConfig, NodeRange, RequeueBy
 from dlrover_hpc.errors import DlroverHpcError
+from dlrover_hpc.jobdir import LEASE, Lease, read_lease
+from dlrover_hpc.jobdir import write_lease as write_lease  # the lease is jobdir's
 
 log = logging.getLogger(__name__)
 
-LEASE = "master.lease"
 CONFIG = "master-config.json"
 #: The master renews its lease this often; a lease older than STALE_S has no live master.
 LEASE_EVERY_S, STALE_S = 0.5, 2.5
@@ -67,29 +68,6 @@ def claim(job_dir: Path, epoch: int) -> bool:
 def superseded(job_dir: Path, epoch: int) -> bool:
     """A newer master claimed the job: the master of ``epoch`` must step down."""
     return epoch_path(job_dir, epoch + 1).exists()
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Lease:
-    epoch: int
-    time: float  # wall clock of the master's newest renewal
-    host: str
-    pid: int
-
-
-def write_lease(job_dir: Path, epoch: int) -> None:
-    lease = Lease(epoch, time.time(), socket.gethostname().split(".")[0], os.getpid())
-    tmp = job_dir / f".{LEASE}.{os.getpid()}"
-    tmp.write_text(json.dumps(dataclasses.asdict(lease)))
-    os.replace(tmp, job_dir / LEASE)
-
-
-def read_lease(job_dir: Path) -> Lease | None:
-    try:
-        raw = json.loads((job_dir / LEASE).read_text())
-        return Lease(int(raw["epoch"]), float(raw["time"]), str(raw["host"]), int(raw["pid"]))
-    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
-        return None
 
 
 def lease_fresh(lease: Lease | None, now: float) -> bool:

@@ -35,6 +35,7 @@ from pathlib import Path
 from dlrover_hpc.config import HANG_AUTO, HANG_CEILING_S
 from dlrover_hpc.diagnosis import stacks as st
 from dlrover_hpc.events import EventName
+from dlrover_hpc.jobdir import hang_report_dir
 from dlrover_hpc.master import decisions as d
 from dlrover_hpc.master.hang_bounds import (
     DETECT_SLACK_S,
@@ -343,7 +344,7 @@ class HangWatch:
         """Dump every stack, say ``exit_hang`` for each hung rank and have its agent end it."""
         job = self.job
         try:
-            directory = self.job_dir / "hangs" / _stamp()
+            directory = hang_report_dir(self.job_dir, _stamp())
             title = (
                 f"exit hang: ranks {sorted(hung)} still running {waited_s:.0f} s after their "
                 f"peers exited at step {last} (round {job.round})"
@@ -595,7 +596,7 @@ class HangWatch:
     async def _hang(self, bound: Bound) -> None:
         job = self.job
         try:
-            directory = self.job_dir / "hangs" / _stamp()
+            directory = hang_report_dir(self.job_dir, _stamp())
             last = {r: s.progress.step for r, s in sorted(self._seen.items())}
             p99 = job_p99([s.progress for s in self._seen.values()])
             sections = {

@@ -4,35 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import errno
 import gc
-import json
 import logging
-import os
 import resource
-import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from pathlib import Path
+from collections.abc import Awaitable
 from typing import Any
 
-from dlrover_hpc.config import MasterConfig, RequeueBy
 from dlrover_hpc.errors import ProtocolError
-from dlrover_hpc.events import EventName
-from dlrover_hpc.master import failover, metrics, stopping
-from dlrover_hpc.master.continuation import Continuer, StopKind
-from dlrover_hpc.master.datasets import Datasets
-from dlrover_hpc.master.decisions import Relaunch
-from dlrover_hpc.master.handlers import AgentHandlers
-from dlrover_hpc.master.hangs import HangWatch
-from dlrover_hpc.master.job import Job
-from dlrover_hpc.master.journal import EventLog, Journal, seal_torn_line
-from dlrover_hpc.master.policy import NodeRemover
-from dlrover_hpc.master.relaunch import Relauncher, SrunLauncher
-from dlrover_hpc.master.replace import Replacer
-from dlrover_hpc.master.stores import TorchStores
+from dlrover_hpc.master import failover, stopping
+from dlrover_hpc.master.assembly import Master
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol import wire
 from dlrover_hpc.protocol.keepalive import set_link_timeout, unacknowledged_s
@@ -100,161 +83,22 @@ def raise_open_files_limit(nodes: int) -> None:
 
 
 class MasterServer:
-    """``epoch``: claimed by the caller (a promoted agent); None: claim the next one here,
-    once no other master renews the job's lease (raises :class:`failover.MasterServing`)."""
+    """Serves one assembled :class:`Master` (:func:`build_master`) to the agents: listens,
+    authenticates with the job ``token``, dispatches each request to the master's handler and
+    pushes the master's messages to the agent's connection."""
 
-    def __init__(
-        self,
-        config: MasterConfig,
-        *,
-        token: str,
-        job_dir: Path,
-        stores: Any = None,
-        epoch: int | None = None,
-    ):
-        self.config = config
+    def __init__(self, master: Master, *, token: str):
+        self.master = master
+        self.config = master.config
         self._token = token
-        self.job_dir = job_dir
-        # Before the journal is read: the master that wrote it must be gone.
-        self.epoch = failover.take_over(job_dir) if epoch is None else epoch
-        self.superseded = False  # a newer master claimed the job: this one stepped down
-        # Lines cut mid-write by the previous master's end: sealed before anything appends.
-        torn = [seal_torn_line(job_dir / name) for name in ("journal.jsonl", "events.jsonl")]
-        self.events = EventLog(job_dir / "events.jsonl")
-        self.observer = metrics.Observer(self.events.path)  # goodput so far, from the log
-        self._stop_metrics: Callable[[], None] | None = None
-        topology = None
-        if config.topology:
-            from dlrover_hpc import topology as topo
-
-            topology = topo.load(config.topology)
-        self.advertised_host = socket.gethostname().split(".")[0]
-        self.job = Job(
-            config,
-            stores=stores or TorchStores(),
-            store_host=self.advertised_host,
-            push=self.push,
-            topology=topology,
-            events=self.events,
-            journal=Journal(job_dir / "journal.jsonl"),
-            remove_node=self._remove_node,
-            request_replacement=self._replacer_request,
-            requeue=self._in_thread(self._replacer_requeue) if config.requeue else None,
-            relaunch=self._relaunch,
-        )
-        for t in torn:
-            if t is not None:
-                log.warning(
-                    "torn last line sealed file=%s line=%d bytes=%d text=%s: skipped when read",
-                    t.path,
-                    t.line,
-                    t.nbytes,
-                    t.text,
-                )
-                self.events.emit(
-                    EventName.LOG_REPAIRED,
-                    file=t.path.name,
-                    line=t.line,
-                    bytes=t.nbytes,
-                    text=t.text,
-                )
-        self.replacer: Replacer | None = None
-        self.relauncher: Relauncher | None = None
-        self._remover = NodeRemover(
-            mode=config.drain, job_id=config.job_id, job_dir=job_dir, events=self.events
-        )
+        master.sender = self.push
         self._writers: dict[str, asyncio.StreamWriter] = {}
         self._silent_links: set[asyncio.StreamWriter] = set()  # closed by _link_ticks
         self._server: asyncio.base_events.Server | None = None
         self._listener_link_timeout = False  # accepted connections inherit the link timeout
         self._tasks: set[asyncio.Task[Any]] = set()
         self.port = 0
-        self.hangs = HangWatch(self.job, self.push, job_dir)
-        self.datasets = Datasets(job_dir)  # dlrover_hpc.data's shards, replayed from the file
-        self.agents = AgentHandlers(self.job, self.hangs)
-        self.stopper = stopping.GracefulStop(
-            self.job,
-            self.agents.steps,
-            self.push,
-            lead_s=config.stop_lead_s,
-            rank_step=self.observer.round_step,
-        )
-        self._handlers: dict[type[m.Message], Callable[[Any], Any]] = {
-            m.Join: self.agents.join,
-            m.WaitRound: self.agents.wait_round,
-            m.Heartbeat: self.agents.heartbeat,
-            m.WorkersStarted: self.agents.workers_started,
-            m.WorkerFailed: self.agents.worker_failed,
-            m.WorkersSucceeded: self.agents.workers_succeeded,
-            m.CheckpointPart: self.agents.checkpoint_part,
-            m.StatusRequest: self._status,
-            m.Event: self._event,
-            m.NetcheckReport: self.agents.netcheck_report,
-            m.StacksDumped: self.hangs.stacks_dumped,
-            m.StacksRequest: self.hangs.stacks_request,
-            m.StopRequest: self._stop_request,
-            m.ShardRequest: lambda msg: self.datasets.request(msg, current_round=self.job.round),
-        }
-
-    def _in_thread(self, fn: Callable[..., None]) -> Callable[..., None]:
-        """Slurm commands must not stall the event loop."""
-
-        def call(*args: Any) -> None:
-            asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
-        return call
-
-    def _replacer_request(self, count: int, exclude: list[str]) -> None:
-        """sbatch in a thread; a refusal comes back to the job on the loop's thread."""
-        replacer = self.replacer
-        if replacer is None:
-            return
-        done = asyncio.get_running_loop().run_in_executor(None, replacer.request, count, exclude)
-
-        def refused(fut: asyncio.Future[str | None]) -> None:
-            reason = None if fut.cancelled() else fut.result()
-            if reason:
-                self.agents.replacement_failed(count, reason)
-
-        done.add_done_callback(refused)
-
-    def _replacer_requeue(self, reason: str) -> None:
-        if self.replacer is not None:
-            self.replacer.requeue(reason)
-
-    def _relaunch(self, action: Relaunch) -> None:
-        if self.relauncher is not None:
-            self.relauncher.relaunch(action)
-
-    def _remove_node(self, node: str, reason: str) -> None:
-        """Drain or quarantine in a thread: scontrol must not stall the event loop."""
-        asyncio.get_running_loop().run_in_executor(None, self._remover.remove, node, reason)
-
-    async def _status(self, msg: m.StatusRequest) -> m.StatusReply:
-        reply = self.agents.status(msg)
-        report = await asyncio.to_thread(self.observer.report)  # reads the log: not on the loop
-        if report is None:
-            return reply
-        step = report.last_checkpoint_step
-        committed = self.observer.analysis.committed.get(step, 0.0) if step is not None else 0.0
-        return dataclasses.replace(
-            reply,
-            goodput=report.goodput if report.ideal_step_s > 0 else -1.0,
-            checkpoint_step=-1 if step is None else step,
-            checkpoint_age_s=round(time.time() - committed, 1) if committed else -1.0,
-        )
-
-    def _stop_request(self, msg: m.StopRequest) -> m.Ack:
-        try:
-            kind = StopKind(msg.kind) if msg.kind else None
-        except ValueError:
-            raise ValueError(f"stop kind {msg.kind!r}: expected time_limit or preempted") from None
-        self.stopper.request(kind, msg.reason or "requested")
-        return m.Ack()
-
-    def _event(self, msg: m.Event) -> m.Ack:
-        self.events.emit(msg.event, **msg.fields)
-        return m.Ack()
+        self._handlers = master.requests()
 
     async def start(self) -> int:
         raise_open_files_limit(self.config.nnodes.max)
@@ -276,57 +120,12 @@ class MasterServer:
         )
         await self._server.start_serving()
         self.port = self._server.sockets[0].getsockname()[1]
-        if self.config.metrics_port:
-            collector = metrics.JobCollector(self.job, self.observer, self.agents.steps)
-            try:
-                self._stop_metrics = metrics.serve(
-                    collector, host=self.config.host, port=self.config.metrics_port
-                )
-            except OSError as exc:  # a promoted master's node may have the port taken
-                log.error("no metrics: port %d (%s)", self.config.metrics_port, exc)
-        info = {
-            "host": self.advertised_host,
-            "port": self.port,
-            "pid": os.getpid(),
-            "job_id": self.config.job_id,
-            "embedded": self.config.embedded,
-            "epoch": self.epoch,
-            "metrics_port": self.config.metrics_port if self._stop_metrics else None,
-        }
-        failover.write_lease(self.job_dir, self.epoch)
-        failover.save_config(self.job_dir, self.config)
-        tmp = self.job_dir / "master.json.tmp"
-        tmp.write_text(json.dumps(info))
-        os.replace(tmp, self.job_dir / "master.json")
-        if os.environ.get("SLURM_JOB_ID"):  # replacement jobs and requeue need Slurm
-            self.replacer = Replacer(
-                job_id=os.environ["SLURM_JOB_ID"],
-                job_dir=self.job_dir,
-                template=self.config.replacement_sbatch,
-                master_addr=f"{self.advertised_host}:{self.port}",
-                events=self.events,
-            )
-            launcher = SrunLauncher(
-                job_id=os.environ["SLURM_JOB_ID"],
-                job_dir=self.job_dir,
-                master_addr=f"{self.advertised_host}:{self.port}",
-            )
-            self.relauncher = Relauncher(self.job, launcher)
-            if self.config.requeue_by is RequeueBy.FRAMEWORK:
-                log.info("continuation left to the workers' framework (--requeue-by=framework)")
-            else:
-                self.stopper.continuer = Continuer(
-                    job_id=os.environ["SLURM_JOB_ID"],
-                    job_dir=self.job_dir,
-                    events=self.events,
-                    max_continuations=self.config.max_continuations,
-                    script=os.environ.get("DLROVER_HPC_SBATCH_SCRIPT"),
-                )
+        self.master.listening(self.port)
         log.info(
             "master listening host=%s port=%d job_dir=%s loop=%s",
-            self.advertised_host,
+            self.master.advertised_host,
             self.port,
-            self.job_dir,
+            self.master.job_dir,
             type(asyncio.get_running_loop()).__module__.split(".")[0],
         )
         return self.port
@@ -373,7 +172,7 @@ class MasterServer:
             for agent_id in agent_ids:
                 if self._writers.get(agent_id) is writer:
                     del self._writers[agent_id]
-                    self.agents.disconnected(agent_id, link_timed_out=timed_out)
+                    self.master.agents.disconnected(agent_id, link_timed_out=timed_out)
             writer.close()
 
     async def _authenticate(
@@ -457,15 +256,15 @@ class MasterServer:
     async def _liveness(self) -> None:
         while True:
             await asyncio.sleep(0.5)
-            self.agents.check_liveness()  # O(nodes): on this timer only, not on every change
-            self.agents.check_capacity()
-            self.agents.say_waiting()
+            self.master.agents.check_liveness()  # O(nodes): on this timer only, not on every change
+            self.master.agents.check_capacity()
+            self.master.agents.say_waiting()
             try:
-                self.hangs.check()
+                self.master.hangs.check()
             except Exception:  # a bug in a detector must not end the liveness checks
                 log.exception("hang and straggler check failed")
-            self.stopper.check()
-            self.job.poke()
+            self.master.stopper.check()
+            self.master.job.poke()
 
     async def _link_ticks(self, every_s: float) -> None:
         """A tick to every agent each ``every_s``: a cut link then always has bytes in flight,
@@ -499,55 +298,51 @@ class MasterServer:
         """Renew the lease; step down when a newer master claimed the job (fencing)."""
         while True:
             await asyncio.sleep(failover.LEASE_EVERY_S)
-            if await asyncio.to_thread(failover.superseded, self.job_dir, self.epoch):
-                log.error("master epoch=%d superseded by a newer master; stepping down", self.epoch)
-                self.superseded = True
-                self.job.finished.set()  # the job goes on under the new master
+            if not await asyncio.to_thread(self.master.renew_lease):
+                self.master.job.finished.set()  # the job goes on under the new master
                 return
-            await asyncio.to_thread(failover.write_lease, self.job_dir, self.epoch)
 
     async def serve(self, linger_s: float = 10.0) -> int:
         """Run until the job finishes, give agents ``linger_s`` to hear it, return the exit code
         (:data:`SUPERSEDED` when a newer master took the job over)."""
         if self._server is None:
             await self.start()
+        master = self.master
         live = asyncio.create_task(self._liveness())
         tick_s = self.config.link_tick_s
         ticks = asyncio.create_task(self._link_ticks(tick_s) if tick_s else asyncio.sleep(0))
         lease = asyncio.create_task(self._lease())
         relaunches = asyncio.create_task(
-            self.relauncher.run() if self.relauncher else asyncio.sleep(0)
+            master.relauncher.run() if master.relauncher else asyncio.sleep(0)
         )
-        time_left = asyncio.create_task(stopping.watch_time_left(self.stopper))
+        time_left = asyncio.create_task(stopping.watch_time_left(master.stopper))
         try:
-            await self.job.run()
+            await master.job.run()
             relaunches.cancel()
-            if self.superseded:
+            if master.superseded:
                 return SUPERSEDED
-            if self.replacer is not None:
-                await asyncio.to_thread(self.replacer.cancel_all)
+            if master.replacer is not None:
+                await asyncio.to_thread(master.replacer.cancel_all)
             loop = asyncio.get_running_loop()
-            if self.stopper.plan is not None:  # the agents persist the newest step first
-                linger_s = max(linger_s, min(120.0, self.stopper.plan.deadline - time.time()))
+            if master.stopper.plan is not None:  # the agents persist the newest step first
+                linger_s = max(linger_s, min(120.0, master.stopper.plan.deadline - time.time()))
             deadline = loop.time() + linger_s
             while self._writers and loop.time() < deadline:
                 await asyncio.sleep(0.1)
-            await asyncio.to_thread(self.stopper.conclude)
+            await asyncio.to_thread(master.stopper.conclude)
         finally:
             time_left.cancel()
             live.cancel()
             ticks.cancel()
             lease.cancel()
             relaunches.cancel()
-            if self.relauncher is not None and not self.superseded:  # did not hear the end
-                await asyncio.to_thread(self.relauncher.launcher.stop_all)
+            if master.relauncher is not None and not master.superseded:  # did not hear the end
+                await asyncio.to_thread(master.relauncher.launcher.stop_all)
             await self.close()
-        return self.job.exit_code or 0
+        return master.job.exit_code or 0
 
     async def close(self) -> None:
-        if self._stop_metrics is not None:
-            await asyncio.to_thread(self._stop_metrics)
-            self._stop_metrics = None
+        await asyncio.to_thread(self.master.stop_metrics)
         if self._server is not None:
             self._server.close()
             for writer in list(self._writers.values()):

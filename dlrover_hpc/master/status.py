@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dlrover_hpc.config import parse_host_port
 from dlrover_hpc.errors import DlroverHpcError, UsageError
-from dlrover_hpc.jobdir import MASTER_INFO, default_job_dir
+from dlrover_hpc.jobdir import MASTER_INFO, default_job_dir, load_master_info
 from dlrover_hpc.master.token import resolve_token
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
@@ -82,7 +82,7 @@ def _example_dirs(root: Path) -> str:
 def read_master_info(job_dir: Path) -> MasterInfo:
     path = job_dir / MASTER_INFO
     try:
-        info = json.loads(path.read_text())
+        info = load_master_info(job_dir)
         return MasterInfo(
             host=str(info["host"]),
             port=int(info["port"]),

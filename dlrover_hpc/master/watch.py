@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dlrover_hpc.errors import DlroverHpcError
+from dlrover_hpc.jobdir import events_path
 from dlrover_hpc.master import status as st
 from dlrover_hpc.master.phases import ENDED, Phase
 from dlrover_hpc.protocol import messages as m
@@ -67,7 +68,7 @@ def _ended_in_log(job_dir: Path | None) -> int | None:
     if job_dir is None:
         return None
     try:
-        lines = (job_dir / "events.jsonl").read_text().splitlines()
+        lines = events_path(job_dir).read_text().splitlines()
     except OSError:
         return None
     for line in reversed(lines):

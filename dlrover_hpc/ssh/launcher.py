@@ -30,6 +30,8 @@ from typing import Any
 from dlrover_hpc.config import MasterConfig, NodeRange
 from dlrover_hpc.errors import ConfigError
 from dlrover_hpc.jobdir import make_job_dir
+from dlrover_hpc.master.assembly import build_master
+from dlrover_hpc.master.cluster import SshCluster
 from dlrover_hpc.master.server import MasterServer
 from dlrover_hpc.master.stores import TorchStores
 from dlrover_hpc.master.token import TOKEN_ENV, resolve_token
@@ -122,11 +124,10 @@ class Launcher:
             active, spares = split_hosts(ready, nnodes=self._nnodes)
             self._in_job = active + spares
             self._log_plan(active, spares)
-            server = MasterServer(
-                master_config, token=self._token, job_dir=job_dir, stores=await stores
-            )
+            master = build_master(master_config, SshCluster(), job_dir=job_dir, stores=await stores)
+            server = MasterServer(master, token=self._token)
             self._port = await server.start()
-            self._master_host = server.advertised_host
+            self._master_host = master.advertised_host
             return await self._run_job(server, active, spares)
         finally:
             stores.cancel()
@@ -251,7 +252,7 @@ class Launcher:
             session.start(self._spec(session))
         spare_start = asyncio.create_task(self._start_spares(server, active, spares))
         quarantine = QuarantineReader(self.config.job_dir / "quarantine.jsonl")
-        finished = asyncio.create_task(server.job.finished.wait())
+        finished = asyncio.create_task(server.master.job.finished.wait())
         try:
             while not finished.done():
                 self._mirror_quarantine(quarantine)
@@ -270,7 +271,7 @@ class Launcher:
             spare_start.cancel()
             finished.cancel()
             if not master.done():
-                server.job.finish(1, "the launcher stopped")
+                server.master.job.finish(1, "the launcher stopped")
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(master, 10)
         if self._signalled is not None:
@@ -287,13 +288,13 @@ class Launcher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.spare_start_timeout_s
         while (
-            server.job.round < 1
+            server.master.job.round < 1
             and not any(s.ended for s in active)
-            and not server.job.finished.is_set()
+            and not server.master.job.finished.is_set()
             and loop.time() < deadline
         ):
             await asyncio.sleep(POLL_S)
-        if server.job.finished.is_set():
+        if server.master.job.finished.is_set():
             return
         for session in spares:
             if session.state is SessionState.READY:
@@ -306,7 +307,7 @@ class Launcher:
         if len(live) >= self._nnodes.min:
             return
         ended = ", ".join(f"{s.name} (exit {s.exit_code})" for s in self._in_job if s.ended)
-        server.job.finish(
+        server.master.job.finish(
             1,
             f"only {len(live)} agent(s) left and --nnodes={self._nnodes} needs "
             f"{self._nnodes.min}; agents ended on: {ended}",
@@ -330,7 +331,9 @@ class Launcher:
         """Hosts whose agents the master lost: their links may be cut, so nobody waits for
         them (their agents stop on their own once they miss the master)."""
         connected = {
-            n.node for n in server.agents.status().nodes if n.state not in ("lost", "excluded")
+            n.node
+            for n in server.master.agents.status().nodes
+            if n.state not in ("lost", "excluded")
         }
         return {s.name for s in self.sessions if s.node not in connected}
 
@@ -367,7 +370,7 @@ class Launcher:
                     session.signal(sig.name)
                 else:
                     session.stop()
-            server.job.request_stop(sig.name)
+            server.master.job.request_stop(sig.name)
             return False
         log.warning("%s again: stopping every agent now", sig.name)
         for session in self.sessions:

@@ -15,6 +15,7 @@ import pytest
 
 from dlrover_hpc.agent.master_link import MasterLink
 from dlrover_hpc.config import MasterConfig, NodeRange
+from dlrover_hpc.master.cluster import NoCluster
 from dlrover_hpc.master.thread import MasterThread
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
@@ -64,10 +65,10 @@ class Relay:
 def master(tmp_path: Path):  # type: ignore[no-untyped-def]
     token = secrets.token_hex(16)
     cfg = MasterConfig(host="127.0.0.1", port=0, nnodes=NodeRange(min=1, max=1), job_id="t")
-    thread = MasterThread(cfg, token=token, job_dir=tmp_path)
+    thread = MasterThread(cfg, token=token, job_dir=tmp_path, cluster=NoCluster())
     port = thread.start()
     yield thread, port, token
-    thread.server.job.request_stop("SIGTERM")
+    thread.server.master.job.request_stop("SIGTERM")
     thread.join(timeout_s=10)
 
 
@@ -110,7 +111,7 @@ def test_dropped_connection_is_remade_under_the_same_agent_id(master) -> None:  
         assert reply.finished is False
         assert link.client is not first and link.reconnects == 1
         assert joins == [joins[0], joins[0]]  # re-registered, same id
-        assert list(thread.server.job.nodes) == [joins[0]]  # one record, not two
+        assert list(thread.server.master.job.nodes) == [joins[0]]  # one record, not two
         await link.close()
 
     _run(body)

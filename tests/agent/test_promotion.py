@@ -73,7 +73,7 @@ def test_the_promoted_agent_serves_the_job_from_the_journal(tmp_path: Path) -> N
         info = json.loads((tmp_path / "master.json").read_text())
         assert info["epoch"] == 2 and info["embedded"] is True
         socket.create_connection(("127.0.0.1", info["port"]), timeout=5).close()
-        job = thread.server.job
+        job = thread.server.master.job
         assert (job.round, job.restart_count, job.config.max_restarts) == (3, 2, 5)
         lease = failover.read_lease(tmp_path)
         assert lease is not None and lease.epoch == 2

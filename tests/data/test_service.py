@@ -10,6 +10,7 @@ import pytest
 from dlrover_hpc.config import MasterConfig, NodeRange
 from dlrover_hpc.data.client import ShardingClient
 from dlrover_hpc.errors import ProtocolError
+from dlrover_hpc.master.cluster import NoCluster
 from dlrover_hpc.master.datasets import Datasets
 from dlrover_hpc.master.thread import MasterThread
 from dlrover_hpc.protocol import messages as m
@@ -52,7 +53,7 @@ def test_the_client_reads_every_sample_from_a_real_master(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = MasterConfig(host="127.0.0.1", nnodes=NodeRange.parse("1:1"), job_dir=str(tmp_path))
-    master = MasterThread(config, token="secret", job_dir=tmp_path)
+    master = MasterThread(config, token="secret", job_dir=tmp_path, cluster=NoCluster())
     port = master.start()
     try:
         monkeypatch.setenv("DLROVER_HPC_MASTER", f"127.0.0.1:{port}")

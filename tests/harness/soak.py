@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from dlrover_hpc.jobdir import events_path, load_master_info
 from dlrover_hpc.localslurm.local_slurm import LocalSlurm
 from harness.chaos import Chaos, FaultKind, analyze, plan
 
@@ -19,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent.parent
 
 
 def _events(job_dir: Path) -> list[dict]:
-    path = job_dir / "events.jsonl"
+    path = events_path(job_dir)
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -90,7 +91,7 @@ def run_soak(
         if time.time() > deadline or job_state(job) not in ("PENDING", "RUNNING"):
             raise RuntimeError(f"job {job} did not start training: {job_state(job)}")
         time.sleep(0.5)
-    master_node = json.loads((job_dir / "master.json").read_text())["host"]
+    master_node = load_master_info(job_dir)["host"]
     chaos = Chaos(cluster, spared=frozenset({master_node}), heal_s=heal_s or {}, job_id=job)
     started = time.time()
     try:

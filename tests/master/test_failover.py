@@ -13,7 +13,9 @@ import pytest
 
 from dlrover_hpc.config import DrainMode, MasterConfig, NodeRange, RequeueBy
 from dlrover_hpc.master import failover
+from dlrover_hpc.master.assembly import Master, build_master
 from dlrover_hpc.master.bookkeeping import JournaledCommits
+from dlrover_hpc.master.cluster import NoCluster
 from dlrover_hpc.master.journal import Journal
 from dlrover_hpc.master.nodes import NodeState
 from dlrover_hpc.master.phases import Phase
@@ -197,8 +199,10 @@ def test_a_superseded_master_steps_down_without_ending_the_job(tmp_path: Path) -
     cfg = MasterConfig(host="127.0.0.1", nnodes=NodeRange(min=1, max=1), job_dir=str(tmp_path))
 
     async def body() -> int:
-        server = MasterServer(cfg, token=TOKEN, job_dir=tmp_path, stores=FakeStores())
-        assert server.epoch == 1
+        server = MasterServer(
+            build_master(cfg, NoCluster(), job_dir=tmp_path, stores=FakeStores()), token=TOKEN
+        )
+        assert server.master.epoch == 1
         await server.start()
         info = json.loads((tmp_path / "master.json").read_text())
         assert info["epoch"] == 1 and failover.read_lease(tmp_path) is not None
@@ -219,7 +223,7 @@ def test_a_master_restarted_on_torn_last_lines_seals_them_and_loses_nothing(
     """Issue 28, item 5: the old master's node lost power mid-write. Without the seal, the new
     master's first record would be glued to the torn line and skipped with it."""
 
-    def part(h: Harness | MasterServer, ranks: list[int], step: int) -> bool:
+    def part(h: Harness | Master, ranks: list[int], step: int) -> bool:
         msg = m.CheckpointPart(step=step, ranks=ranks, world_size=4, path="/ckpt")
         return h.agents.checkpoint_part(msg).commit
 
@@ -238,10 +242,12 @@ def test_a_master_restarted_on_torn_last_lines_seals_them_and_loses_nothing(
         cfg = MasterConfig(
             host="127.0.0.1", nnodes=NodeRange(min=2, max=3), job_id="42", job_dir=str(tmp_path)
         )
-        server = MasterServer(cfg, token=TOKEN, job_dir=tmp_path, stores=FakeStores())
-        assert server.job.round == 1  # resumed from the journal
-        assert not part(server, [0, 1, 2, 3], step=8)  # step 8 stays committed, once
-        assert part(server, [2, 3], step=10)  # the parts counted before the loss still count
+        server = MasterServer(
+            build_master(cfg, NoCluster(), job_dir=tmp_path, stores=FakeStores()), token=TOKEN
+        )
+        assert server.master.job.round == 1  # resumed from the journal
+        assert not part(server.master, [0, 1, 2, 3], step=8)  # step 8 stays committed, once
+        assert part(server.master, [2, 3], step=10)  # the parts counted before the loss still count
         loaded = Journal(tmp_path / "journal.jsonl").load()
         # 8 and 10 before the loss, then the new master's: 8 again (refused) and 10 (parsed,
         # not glued to the torn line)

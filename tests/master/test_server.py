@@ -16,6 +16,8 @@ import pytest
 
 from dlrover_hpc.config import HEARTBEATS_PER_S, MasterConfig, NodeRange
 from dlrover_hpc.errors import AuthError, ProtocolError
+from dlrover_hpc.master.assembly import build_master
+from dlrover_hpc.master.cluster import NoCluster
 from dlrover_hpc.master.server import GC_THRESHOLDS, MasterServer
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol import wire
@@ -47,7 +49,9 @@ def _server(tmp_path: Path, nnodes: str = "2:2") -> MasterServer:
         job_id="77",
         last_call_s=0.2,
     )
-    return MasterServer(cfg, token=TOKEN, job_dir=tmp_path, stores=FakeStores())
+    return MasterServer(
+        build_master(cfg, NoCluster(), job_dir=tmp_path, stores=FakeStores()), token=TOKEN
+    )
 
 
 def test_frame_round_trip_and_bad_frames() -> None:
@@ -154,7 +158,7 @@ def test_client_with_wrong_token_is_refused_and_logged(
         with pytest.raises(EOFError):
             await wire.read_frame(reader)
         writer.close()
-        assert not server.job.nodes
+        assert not server.master.job.nodes
         await server.close()
 
     with caplog.at_level(logging.WARNING):
@@ -183,7 +187,7 @@ def test_join_rendezvous_status_and_error_reply(tmp_path: Path) -> None:
     async def body() -> None:
         server = _server(tmp_path)
         port = await server.start()
-        job = asyncio.create_task(server.job.run())
+        job = asyncio.create_task(server.master.job.run())
         clients = [await MasterClient.connect("127.0.0.1", port, token=TOKEN) for _ in range(2)]
         ids = []
         for i, c in enumerate(clients):
@@ -232,9 +236,11 @@ def test_worker_failure_opens_a_round_and_budget_is_per_job(tmp_path: Path) -> N
             max_restarts=1,
             last_call_s=0.1,
         )
-        server = MasterServer(cfg, token=TOKEN, job_dir=tmp_path, stores=FakeStores())
+        server = MasterServer(
+            build_master(cfg, NoCluster(), job_dir=tmp_path, stores=FakeStores()), token=TOKEN
+        )
         port = await server.start()
-        job = asyncio.create_task(server.job.run())
+        job = asyncio.create_task(server.master.job.run())
         cs = [await MasterClient.connect("127.0.0.1", port, token=TOKEN) for _ in range(2)]
         ids = [
             (

@@ -32,6 +32,8 @@ from dlrover_hpc.config import (
     MasterConfig,
     NodeRange,
 )
+from dlrover_hpc.master.assembly import build_master
+from dlrover_hpc.master.cluster import NoCluster
 from dlrover_hpc.master.nodes import NodeState
 from dlrover_hpc.master.server import MasterServer
 from dlrover_hpc.protocol import messages as m
@@ -158,7 +160,9 @@ async def measure_detection(
             link_timeout_s=link_timeout_s,
             requeue=False,
         )
-        server = MasterServer(config, token=TOKEN, job_dir=job_dir, stores=_NoStores())
+        server = MasterServer(
+            build_master(config, NoCluster(), job_dir=job_dir, stores=_NoStores()), token=TOKEN
+        )
         port = await server.start()
         serving = asyncio.create_task(server.serve(linger_s=0))
         agent = await asyncio.create_subprocess_exec(
@@ -169,7 +173,7 @@ async def measure_detection(
         try:
             agent_id = (await _line(agent, "joined ", 30)).split()[1]
             await _line(agent, "beat", 30)  # one heartbeat through: the steady state
-            rec = server.job.nodes[agent_id]
+            rec = server.master.job.nodes[agent_id]
             cut = time.monotonic()
             _ip("-n", link.netns, "link", "set", "eth0", "down")  # the node's NIC goes dark
             while rec.state is not NodeState.LOST:
@@ -184,7 +188,7 @@ async def measure_detection(
             with contextlib.suppress(ProcessLookupError):
                 agent.kill()
             await agent.wait()
-            server.job.request_stop("SIGTERM")
+            server.master.job.request_stop("SIGTERM")
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(serving, 15)
 
@@ -299,7 +303,9 @@ def test_both_ends_set_keepalive_and_user_timeout(tmp_path: Path) -> None:
         config = MasterConfig(
             host="127.0.0.1", port=0, job_dir=str(tmp_path), nnodes=NodeRange.parse("2:2")
         )
-        server = MasterServer(config, token=TOKEN, job_dir=tmp_path, stores=_NoStores())
+        server = MasterServer(
+            build_master(config, NoCluster(), job_dir=tmp_path, stores=_NoStores()), token=TOKEN
+        )
         port = await server.start()
         client = await MasterClient.connect("127.0.0.1", port, token=TOKEN, link_timeout_s=10.0)
         reply = await client.request(
@@ -395,7 +401,9 @@ def test_a_large_jobs_link_timeout_is_on_both_ends(tmp_path: Path) -> None:
         config = MasterConfig(
             host="127.0.0.1", port=0, job_dir=str(tmp_path), nnodes=NodeRange.parse("2:4096")
         )
-        server = MasterServer(config, token=TOKEN, job_dir=tmp_path, stores=_NoStores())
+        server = MasterServer(
+            build_master(config, NoCluster(), job_dir=tmp_path, stores=_NoStores()), token=TOKEN
+        )
         port = await server.start()
         client = await MasterClient.connect("127.0.0.1", port, token=TOKEN)
         mine = client._writer.get_extra_info("socket")
@@ -422,7 +430,9 @@ def test_master_ticks_its_agents_and_the_client_drops_the_ticks(tmp_path: Path) 
         config = MasterConfig(
             host="127.0.0.1", port=0, job_dir=str(tmp_path), nnodes=NodeRange.parse("3:3")
         )
-        server = MasterServer(config, token=TOKEN, job_dir=tmp_path, stores=_NoStores())
+        server = MasterServer(
+            build_master(config, NoCluster(), job_dir=tmp_path, stores=_NoStores()), token=TOKEN
+        )
         port = await server.start()
         serving = asyncio.create_task(server.serve(linger_s=0))
         # A raw agent: the handshake and a join by hand, then count what the master sends.
@@ -449,7 +459,7 @@ def test_master_ticks_its_agents_and_the_client_drops_the_ticks(tmp_path: Path) 
         writer.close()
         join.cancel()
         await client.close()
-        server.job.request_stop("SIGTERM")
+        server.master.job.request_stop("SIGTERM")
         await asyncio.wait_for(serving, 15)
 
     asyncio.run(body())

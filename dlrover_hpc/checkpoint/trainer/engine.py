@@ -34,6 +34,7 @@ from dlrover_hpc.checkpoint.trainer.segment_pair import SegmentPair
 from dlrover_hpc.checkpoint.trainer.tensor_copy import Copier
 from dlrover_hpc.errors import CheckpointError
 from dlrover_hpc.events import EventName
+from dlrover_hpc.jobdir import EVENTS
 from dlrover_hpc.worker import membership, progress
 
 logger = logging.getLogger(__name__)
@@ -425,4 +426,4 @@ def _close_at_exit(ref: Any) -> None:
 def _events_from_env(env: WorkerEnv) -> EventSink | None:
     if not env.job_dir:
         return None
-    return JsonlEventSink(os.path.join(env.job_dir, "events.jsonl"))
+    return JsonlEventSink(os.path.join(env.job_dir, EVENTS))
