@@ -34,3 +34,19 @@ def test_every_name_carries_the_prefix_a_launcher_forwards() -> None:
     assert len(names) > 20
     assert all(n.startswith(environ.PREFIX) for n in names)
     assert environ.name("max-restarts") == environ.PREFIX + "MAX_RESTARTS"
+
+
+def test_the_prefix_is_spelt_out_in_at_most_three_modules() -> None:
+    """Every other module takes its variables' names from environ or settings."""
+    from pathlib import Path
+
+    import dlrover_hpc
+
+    package = Path(dlrover_hpc.__file__).parent
+    spelling = "DLROVER" + "_HPC_"
+    spelt = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if spelling in path.read_text()
+    )
+    assert spelt == ["environ.py"] or len(spelt) <= 3, spelt

@@ -16,7 +16,8 @@ from dlrover_hpc import config, injections, settings
 from dlrover_hpc.cli import launch, run_args, site_config
 from dlrover_hpc.cli.commands import master_parser
 from dlrover_hpc.config import MasterConfig, RequeueBy, RunConfig, embedded_master_config
-from dlrover_hpc.master.continuation import arms_continuation
+from dlrover_hpc.master.assembly import build_master
+from dlrover_hpc.master.cluster import SlurmCluster
 from dlrover_hpc.settings import Command, Setting
 
 PARSERS = {Command.RUN: run_args.build_parser, Command.MASTER: master_parser}
@@ -161,13 +162,33 @@ def test_embedded_master_takes_every_shared_setting() -> None:
     assert master.requeue_by is RequeueBy.FRAMEWORK
     assert (master.nnodes.min, master.nnodes.max, master.node_unit) == (2, 4, 2)
     assert (master.max_restarts, master.link_timeout_s) == (7, 2.5)
-    assert not arms_continuation(master, {"SLURM_JOB_ID": "7"})
     default = embedded_master_config(
         _agent("--nnodes=2"), host="0.0.0.0", port=0, job_dir="/j", job_id="7"
     )
     assert default.requeue_by is RequeueBy.DLROVER_HPC
-    assert arms_continuation(default, {"SLURM_JOB_ID": "7"})
-    assert not arms_continuation(default, {})
+
+
+def _continuer_armed(tmp_path: Path, *flags: str) -> bool:
+    """Assemble the embedded master of ``dlrover-run FLAGS`` in Slurm job 7, as the agent
+    does, and say whether it would continue the job at the time limit."""
+    job_dir = tmp_path / "-".join(flags or ("default",))
+    job_dir.mkdir(mode=0o700)
+    config = embedded_master_config(
+        _agent("--nnodes=2", *flags), host="127.0.0.1", port=0, job_dir=str(job_dir), job_id="7"
+    )
+    master = build_master(config, SlurmCluster(job_id="7"), job_dir=job_dir)
+    try:
+        master.listening(port=29400)
+        return master.stopper.continuer is not None
+    finally:
+        master.stop_metrics()
+
+
+def test_requeue_by_framework_with_an_embedded_master_under_slurm_arms_no_continuation(
+    tmp_path: Path,
+) -> None:
+    assert not _continuer_armed(tmp_path, "--requeue-by=framework")
+    assert _continuer_armed(tmp_path)  # the default: the master continues the job
 
 
 def test_agent_makes_its_masters_through_one_function() -> None:

@@ -30,7 +30,6 @@ import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from dlrover_hpc.config import MasterConfig, RequeueBy
 from dlrover_hpc.events import EventName
 from dlrover_hpc.master.journal import EventLog
 from dlrover_hpc.slurm import commands as slurm
@@ -251,9 +250,3 @@ class Continuer:
         except OSError:
             return []
         return [a.decode() for a in raw.split(b"\0")[:-1]]
-
-
-def arms_continuation(config: MasterConfig, env: Mapping[str, str]) -> bool:
-    """Whether a master continues the job at a time limit or preemption (and so stops it ahead
-    of the limit): under Slurm, unless the workers' framework requeues (``--requeue-by``)."""
-    return bool(env.get("SLURM_JOB_ID")) and config.requeue_by is not RequeueBy.FRAMEWORK
