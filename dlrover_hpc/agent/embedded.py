@@ -1,7 +1,7 @@
 """A master embedded in one agent, for job scripts written for torchrun (issue 14).
 
 A torchrun script under Slurm runs ``srun torchrun --rdzv-endpoint HEAD:PORT ...`` and starts no
-job master.  When ``dlrover-run`` finds none (no ``--master``, no ``DLROVER_HPC_MASTER``, no
+job master.  When ``dlrover-run`` finds none (no ``--master``, no :data:`environ.MASTER`, no
 live ``master.json``), one agent starts the master in-process and the others find it:
 
 - with ``--rdzv-endpoint HOST:PORT``, the agent on HOST (one of its addresses) listens on PORT,
@@ -9,9 +9,10 @@ live ``master.json``), one agent starts the master in-process and the others fin
 - without, the agent with ``SLURM_PROCID`` 0 listens on a free port and writes ``master.json``
   in the job directory (``$SLURM_SUBMIT_DIR/.dlrover-hpc/$SLURM_JOB_ID``).
 
-With no ``DLROVER_HPC_TOKEN``, the embedded master makes the job token and writes it to the job
-directory, which is mode 0700 (the file 0600) on the shared file system: only the same user's
-agents can read it.  :func:`plan` is pure; the rest waits on the network and the file system.
+With no job token in the environment (:data:`environ.TOKEN`), the embedded master makes the
+job token and writes it to the job directory, which is mode 0700 (the file 0600) on the shared
+file system: only the same user's agents can read it.  :func:`plan` is pure; the rest waits on
+the network and the file system.
 """
 
 from __future__ import annotations

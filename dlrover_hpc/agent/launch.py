@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 
+from dlrover_hpc import environ
 from dlrover_hpc.agent import embedded
 from dlrover_hpc.agent.agent import Agent, start_zygote
 from dlrover_hpc.agent.zygote import Zygote
@@ -43,7 +44,7 @@ def find_master(job_dir: Path, *, timeout_s: float = MASTER_WAIT_S) -> tuple[str
                 raise ConfigError(
                     f"no job master found: {path} did not appear within {timeout_s:.0f} s; "
                     "start 'dlrover-hpc master' first (the sbatch templates do), or pass "
-                    "--master HOST:PORT / set DLROVER_HPC_MASTER"
+                    f"--master HOST:PORT / set {environ.MASTER}"
                 ) from None
             time.sleep(0.2)
 
@@ -60,8 +61,8 @@ def run_agent(config: RunConfig) -> int:
         return _run_standalone(config, zygote)
     job_dir = make_job_dir(config.job_dir or default_job_dir())
     master = config.master
-    if master is None and os.environ.get("DLROVER_HPC_MASTER"):
-        master = parse_host_port(os.environ["DLROVER_HPC_MASTER"], flag="DLROVER_HPC_MASTER")
+    if master is None and os.environ.get(environ.MASTER):
+        master = parse_host_port(os.environ[environ.MASTER], flag=environ.MASTER)
     if master is None:
         embedded_plan = _embedded_plan(config, job_dir)
         if embedded_plan is not None:

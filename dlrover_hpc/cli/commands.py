@@ -177,14 +177,14 @@ def register_status(sub: argparse._SubParsersAction) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from dlrover_hpc.master.status import print_status
+    from dlrover_hpc.cli.status import print_status
 
     if args.watch is not None:
         if args.json:
             raise UsageError("--watch draws a live table; drop --json (or --watch)")
         if args.watch <= 0:
             raise UsageError(f"--watch={args.watch:g}: expected seconds between refreshes, > 0")
-        from dlrover_hpc.master.watch import watch_status
+        from dlrover_hpc.cli.watch import watch_status
 
         return watch_status(
             master=args.master, job_dir=args.job_dir, interval_s=args.watch, nodes=args.nodes
@@ -212,7 +212,7 @@ def register_report(sub: argparse._SubParsersAction) -> None:
 def _report(args: argparse.Namespace) -> int:
     import json
 
-    from dlrover_hpc.master.status import find_job_dir
+    from dlrover_hpc.cli.status import find_job_dir
     from dlrover_hpc.report.analysis import analyze, read_events
 
     job_dir = find_job_dir(args.job_dir)
@@ -246,6 +246,6 @@ def register_stacks(sub: argparse._SubParsersAction) -> None:
 
 
 def _stacks(args: argparse.Namespace) -> int:
-    from dlrover_hpc.master.status import print_stacks
+    from dlrover_hpc.cli.status import print_stacks
 
     return print_stacks(master=args.master, job_dir=args.job_dir)

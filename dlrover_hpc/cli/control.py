@@ -30,7 +30,7 @@ def register_stop(sub: argparse._SubParsersAction) -> None:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    from dlrover_hpc.master.status import request_stop
+    from dlrover_hpc.cli.status import request_stop
 
     kind = args.kind or ""
     return request_stop(master=args.master, job_dir=args.job_dir, kind=kind, reason=args.reason)
@@ -50,8 +50,8 @@ def register_batch_size(sub: argparse._SubParsersAction) -> None:
 
 
 def _batch_size(args: argparse.Namespace) -> int:
+    from dlrover_hpc.cli.status import find_job_dir
     from dlrover_hpc.jobdir import write_batch_size
-    from dlrover_hpc.master.status import find_job_dir
 
     job_dir = find_job_dir(args.job_dir)
     version = write_batch_size(job_dir, args.batch_size)

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
+from dlrover_hpc import environ
 from dlrover_hpc.config import MasterConfig
 from dlrover_hpc.master.continuation import Continuer
 from dlrover_hpc.master.journal import EventLog
@@ -72,7 +73,7 @@ def _remover(site: Site) -> NodeRemover:
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SlurmCluster:
     """A job inside the Slurm allocation ``job_id``; ``script``: the batch script a
-    continuation submits again (``$DLROVER_HPC_SBATCH_SCRIPT``)."""
+    continuation submits again (:data:`environ.SBATCH_SCRIPT`)."""
 
     job_id: str
     script: str | None = None
@@ -129,5 +130,5 @@ def from_env(env: Mapping[str, str] | None = None) -> Cluster:
     env = os.environ if env is None else env
     job_id = env.get("SLURM_JOB_ID")
     if job_id:
-        return SlurmCluster(job_id=job_id, script=env.get("DLROVER_HPC_SBATCH_SCRIPT"))
+        return SlurmCluster(job_id=job_id, script=env.get(environ.SBATCH_SCRIPT))
     return NoCluster()

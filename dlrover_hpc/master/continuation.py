@@ -30,6 +30,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from dlrover_hpc import environ
 from dlrover_hpc.events import EventName
 from dlrover_hpc.master.journal import EventLog
 from dlrover_hpc.slurm import commands as slurm
@@ -37,14 +38,14 @@ from dlrover_hpc.slurm import commands as slurm
 log = logging.getLogger(__name__)
 
 #: the number of continuations before this run (0: the first run), set on a resubmitted job
-COUNT_ENV = "DLROVER_HPC_CONTINUATION"
+COUNT_ENV = environ.CONTINUATION
 #: the file in the job directory counting the requeues this module made
 COUNT_FILE = "continuations"
 #: extra sbatch options for a resubmitted job (options given on sbatch's command line are not
 #: visible to the job: ``--signal``, ``--mem``... written in the script itself are kept)
-OPTS_ENV = "DLROVER_HPC_CONTINUE_OPTS"
+OPTS_ENV = environ.CONTINUE_OPTS
 #: variables of this job that must not leak into the next one (it makes its own)
-_DROP = ("DLROVER_HPC_JOB_DIR", "DLROVER_HPC_TOKEN", "DLROVER_HPC_MASTER", COUNT_ENV)
+_DROP = environ.NOT_CONTINUED
 #: Set by the user or the site, not by this job: which cluster's configuration to talk to.
 _KEEP = ("SLURM_CONF",)
 

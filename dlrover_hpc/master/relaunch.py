@@ -14,6 +14,7 @@ import os
 import subprocess
 from pathlib import Path
 
+from dlrover_hpc import environ
 from dlrover_hpc.errors import SlurmError
 from dlrover_hpc.events import EventName
 from dlrover_hpc.master.decisions import Relaunch
@@ -80,8 +81,8 @@ class SrunLauncher:
     ) -> bool:
         """Start the step (it runs until its agent exits); False when srun could not start."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(_STEP_VARS)}
-        env["DLROVER_HPC_MASTER"] = self.master_addr
-        env["DLROVER_HPC_JOB_DIR"] = str(self.job_dir)
+        env[environ.MASTER] = self.master_addr
+        env[environ.JOB_DIR] = str(self.job_dir)
         if node_id is not None:
             env[NODE_ID_ENV] = str(node_id)
         stale = self.procs.pop(node, None)

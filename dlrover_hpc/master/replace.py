@@ -14,6 +14,7 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
+from dlrover_hpc import environ
 from dlrover_hpc.events import EventName
 from dlrover_hpc.master.journal import EventLog
 from dlrover_hpc.slurm import commands as slurm
@@ -65,8 +66,8 @@ class Replacer:
             f"--job-name=dlrover-hpc-repl-{self.job_id}",
             f"--output={self.job_dir}/replacement-%j.out",
             # The agents find this master and the job's token in the environment.
-            f"--export=ALL,DLROVER_HPC_MASTER={self.master_addr},"
-            f"DLROVER_HPC_JOB_DIR={self.job_dir},DLROVER_HPC_REPLACES={self.job_id}",
+            f"--export=ALL,{environ.MASTER}={self.master_addr},"
+            f"{environ.JOB_DIR}={self.job_dir},{environ.REPLACES}={self.job_id}",
         ]
         if avoid:
             argv.append(f"--exclude={collect(avoid)}")

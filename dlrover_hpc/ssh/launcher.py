@@ -55,7 +55,7 @@ class LaunchConfig:
     spares: int = 0
     job_dir: Path
     job_id: str
-    master: MasterConfig  # from DLROVER_HPC_MASTER_OPTS; nnodes etc. are set here
+    master: MasterConfig  # from the MASTER_OPTS variable; nnodes etc. are set here
     shared_blocklist: Path | None = None
     ssh: SshOptions = dataclasses.field(default_factory=SshOptions)
     remote_python: str

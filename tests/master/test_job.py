@@ -498,7 +498,7 @@ def test_status_of_a_large_job_is_a_summary_unless_every_node_is_asked_for(
 ) -> None:
     """Past SUMMARY_OVER nodes, ``dlrover-hpc status`` gets the counts by state and the rows
     worth a look (the slowest running nodes, those not running), not one row per node."""
-    from dlrover_hpc.master.status import format_status
+    from dlrover_hpc.cli.status import format_status
 
     async def body() -> None:
         h = Harness(tmp_path, nnodes="40:40")

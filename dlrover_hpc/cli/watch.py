@@ -18,9 +18,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from dlrover_hpc.cli import status as st
 from dlrover_hpc.errors import DlroverHpcError
 from dlrover_hpc.jobdir import events_path
-from dlrover_hpc.master import status as st
 from dlrover_hpc.master.phases import ENDED, Phase
 from dlrover_hpc.protocol import messages as m
 

@@ -16,6 +16,7 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 
+from dlrover_hpc import environ
 from dlrover_hpc.config import parse_host_port
 from dlrover_hpc.errors import DlroverHpcError, UsageError
 from dlrover_hpc.jobdir import MASTER_INFO, default_job_dir, load_master_info
@@ -39,7 +40,7 @@ class MasterInfo:
 
 
 def find_job_dir(job_dir: str | None, env: Mapping[str, str] | None = None) -> Path:
-    """``--job-dir`` (or ``$DLROVER_HPC_JOB_DIR``), else the Slurm job's default directory."""
+    """``--job-dir`` (or :data:`environ.JOB_DIR`), else the Slurm job's default directory."""
     env = os.environ if env is None else env
     if job_dir:
         path = Path(job_dir)
@@ -138,7 +139,7 @@ def unreachable(info: MasterInfo, exc: BaseException) -> DlroverHpcError:
         if info.path is None:
             return DlroverHpcError(
                 f"nothing listens on {where} (connection refused); check --master (or "
-                "DLROVER_HPC_MASTER), or drop it to use the job directory's master.json"
+                f"{environ.MASTER}), or drop it to use the job directory's master.json"
             )
         alive = ""
         if info.pid is not None and _is_local(info.host) and _pid_alive(info.pid):
@@ -225,7 +226,7 @@ def find_master(master: str | None, job_dir: str | None) -> tuple[MasterInfo, st
     except PermissionError:
         raise DlroverHpcError(
             f"cannot read {directory / 'token'}: permission denied; run 'dlrover-hpc status' as "
-            "the user who runs the job, or set DLROVER_HPC_TOKEN"
+            f"the user who runs the job, or set {environ.TOKEN}"
         ) from None
     return info, token
 
