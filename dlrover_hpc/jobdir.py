@@ -16,12 +16,14 @@ import json
 import os
 import pwd
 import re
+import secrets
 import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dlrover_hpc import environ
 from dlrover_hpc.errors import ConfigError
 
 MASTER_INFO = "master.json"  # written by the master once it listens: host, port, pid, job_id
@@ -29,6 +31,7 @@ LEASE = "master.lease"  # rewritten by the serving master every few tenths of a 
 JOURNAL = "journal.jsonl"  # the master's records, replayed by a restarted master
 EVENTS = "events.jsonl"  # the job's event log (the master is its one writer)
 HANGS = "hangs"  # one directory per hang report (stacks, the detector's evidence)
+TOKEN = "token"  # the job token (mode 0600), unless the environment gives it
 #: DLRover's parallelism config (``{"dataloader": {"version": N, "batch_size": B}}``): the
 #: workers' ElasticDataLoader reads it; ``dlrover-hpc batch-size`` writes it
 PARAL_CONFIG = "paral_config.json"
@@ -165,3 +168,35 @@ def read_lease(job_dir: Path) -> Lease | None:
         return Lease(int(raw["epoch"]), float(raw["time"]), str(raw["host"]), int(raw["pid"]))
     except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
         return None
+
+
+# ------------------------------------------------------------------ the job token
+def resolve_token(job_dir: Path, *, create: bool) -> str:
+    """The job token: :data:`environ.TOKEN`, else the job directory's ``token`` file (made,
+    mode 0600 in the 0700 directory, if ``create``)."""
+    path = job_dir / TOKEN
+    token = os.environ.get(environ.TOKEN, "")
+    if token:
+        if create and not path.exists():  # lets `dlrover-hpc status` of the same user in
+            _write_private(path, token)  # (the job directory is mode 0700)
+        return token
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    if not create:
+        raise ConfigError(
+            f"no job token: set {environ.TOKEN} (the sbatch templates do) or start the master "
+            f"first so it writes {path}"
+        )
+    token = secrets.token_hex(32)
+    _write_private(path, token)
+    return token
+
+
+def _write_private(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import psutil
 
+from dlrover_hpc import environ, jobdir
 from dlrover_hpc.errors import ConfigError
 from dlrover_hpc.jobdir import MASTER_INFO, master_address, read_master_info
-from dlrover_hpc.master.token import TOKEN_ENV
 from dlrover_hpc.slurm.hostnames import expand
 
 log = logging.getLogger(__name__)
@@ -155,9 +155,9 @@ def wait_master_json(job_dir: Path, *, deadline: float) -> tuple[str, int]:
 
 def wait_token(job_dir: Path, *, deadline: float) -> str:
     """The token the embedded master wrote (0600, in the 0700 job directory)."""
-    if os.environ.get(TOKEN_ENV):
-        return os.environ[TOKEN_ENV]
-    path = job_dir / "token"
+    if os.environ.get(environ.TOKEN):
+        return os.environ[environ.TOKEN]
+    path = job_dir / jobdir.TOKEN
     while True:
         try:
             token = path.read_text().strip()
@@ -170,5 +170,5 @@ def wait_token(job_dir: Path, *, deadline: float) -> str:
                 f"{path}: not readable; the job directory belongs to another user"
             ) from None
         if time.monotonic() >= deadline:
-            raise ConfigError(f"no job token: {path} did not appear; set {TOKEN_ENV}")
+            raise ConfigError(f"no job token: {path} did not appear; set {environ.TOKEN}")
         time.sleep(0.2)

@@ -22,10 +22,10 @@ from dlrover_hpc.jobdir import (
     make_job_dir,
     master_address,
     read_master_info,
+    resolve_token,
 )
 from dlrover_hpc.master import cluster
 from dlrover_hpc.master.thread import MasterThread
-from dlrover_hpc.master.token import resolve_token
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import logging
 import os
 import socket
 
-from dlrover_hpc import settings, topology
+from dlrover_hpc import jobdir, settings, topology
 from dlrover_hpc.cli import site_config
 from dlrover_hpc.cli.parser import Parser
 from dlrover_hpc.cli.site_config import Defaults
@@ -216,7 +216,7 @@ def _report(args: argparse.Namespace) -> int:
     from dlrover_hpc.report.analysis import analyze, read_events
 
     job_dir = find_job_dir(args.job_dir)
-    report = analyze(read_events(job_dir / "events.jsonl"))
+    report = analyze(read_events(jobdir.events_path(job_dir)))
     if args.plot:
         from dlrover_hpc.report.plot import plot
 

@@ -16,11 +16,10 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 
-from dlrover_hpc import environ
+from dlrover_hpc import environ, jobdir
 from dlrover_hpc.config import parse_host_port
 from dlrover_hpc.errors import DlroverHpcError, UsageError
-from dlrover_hpc.jobdir import MASTER_INFO, default_job_dir, load_master_info
-from dlrover_hpc.master.token import resolve_token
+from dlrover_hpc.jobdir import MASTER_INFO, default_job_dir, load_master_info, resolve_token
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
 
@@ -225,8 +224,8 @@ def find_master(master: str | None, job_dir: str | None) -> tuple[MasterInfo, st
         token = resolve_token(directory, create=False)
     except PermissionError:
         raise DlroverHpcError(
-            f"cannot read {directory / 'token'}: permission denied; run 'dlrover-hpc status' as "
-            f"the user who runs the job, or set {environ.TOKEN}"
+            f"cannot read {directory / jobdir.TOKEN}: permission denied; run "
+            f"'dlrover-hpc status' as the user who runs the job, or set {environ.TOKEN}"
         ) from None
     return info, token
 

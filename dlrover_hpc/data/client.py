@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from dlrover_hpc import environ
+from dlrover_hpc import environ, jobdir
 from dlrover_hpc.config import parse_host_port
 from dlrover_hpc.errors import DlroverHpcError, UsageError
 from dlrover_hpc.jobdir import load_master_info, master_address
@@ -149,10 +149,10 @@ def _token(job_dir: Path) -> str:
     if token:
         return token
     try:
-        return (job_dir / "token").read_text().strip()
+        return (job_dir / jobdir.TOKEN).read_text().strip()
     except OSError as exc:
         raise DlroverHpcError(
-            f"cannot read the job token {job_dir / 'token'} ({exc.strerror}); run the script "
+            f"cannot read the job token {job_dir / jobdir.TOKEN} ({exc.strerror}); run the script "
             "with dlrover-run as the job's user"
         ) from None
 

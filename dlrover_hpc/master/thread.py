@@ -10,12 +10,11 @@ import threading
 from pathlib import Path
 
 from dlrover_hpc.config import MasterConfig, RequeueBy
-from dlrover_hpc.jobdir import make_job_dir
+from dlrover_hpc.jobdir import make_job_dir, resolve_token
 from dlrover_hpc.master import cluster, failover, stopping
 from dlrover_hpc.master.assembly import build_master
 from dlrover_hpc.master.cluster import Cluster
 from dlrover_hpc.master.server import SUPERSEDED, MasterServer
-from dlrover_hpc.master.token import resolve_token
 from dlrover_hpc.protocol.loop import loop_factory
 
 log = logging.getLogger(__name__)

@@ -27,14 +27,14 @@ from collections.abc import Awaitable, Mapping
 from pathlib import Path
 from typing import Any
 
+from dlrover_hpc import environ
 from dlrover_hpc.config import MasterConfig, NodeRange
 from dlrover_hpc.errors import ConfigError
-from dlrover_hpc.jobdir import make_job_dir
+from dlrover_hpc.jobdir import make_job_dir, resolve_token
 from dlrover_hpc.master.assembly import build_master
 from dlrover_hpc.master.cluster import SshCluster
 from dlrover_hpc.master.server import MasterServer
 from dlrover_hpc.master.stores import TorchStores
-from dlrover_hpc.master.token import TOKEN_ENV, resolve_token
 from dlrover_hpc.ssh.blocklist import BlockedHost, QuarantineReader, block_host, read_blocklist
 from dlrover_hpc.ssh.errors import LaunchError
 from dlrover_hpc.ssh.hostfile import HostEntry
@@ -239,7 +239,7 @@ class Launcher:
         )
         return {
             "argv": argv,
-            "env": {**cfg.env, TOKEN_ENV: self._token},
+            "env": {**cfg.env, environ.TOKEN: self._token},
             "cwd": cfg.cwd,
             "grace_s": cfg.agent_grace_s,
         }
