@@ -239,6 +239,8 @@ class RunConfig:
     requeue_by: RequeueBy = settings.REQUEUE_BY.default
     #: what the agent does not put into its workers (names of dlrover_hpc.injections.ALL)
     off: frozenset[str] = frozenset()
+    #: torchrun's --virtual-local-rank: LOCAL_RANK=0 and one visible GPU per worker
+    virtual_local_rank: bool = settings.VIRTUAL_LOCAL_RANK.default
 
     def __post_init__(self) -> None:
         nnodes = self.nnodes

@@ -47,6 +47,45 @@ class Kind(enum.Enum):
     ON_OFF = "on-off"  # --flag / --no-flag (argparse.BooleanOptionalAction)
 
 
+class Treatment(enum.Enum):
+    """How ``dlrover-run`` treats one of torchrun's flags."""
+
+    SAME = "same"  # accepted, with torchrun's meaning and default
+    DIFFERENT = "different"  # accepted, with a meaning or default of its own (``why`` says how)
+    IGNORED = "ignored"  # accepted, and a warning names it once at start when given
+    REFUSED = "refused"  # exit 2 naming it, why, and what to do instead, when given
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Parity:
+    """How ``dlrover-run`` treats one of torchrun's flags (``torch.distributed.run``'s parser;
+    tests/cli/test_torchrun_parity.py holds the two together).  ``why``: how it differs, why it
+    is ignored, or why it is refused and what to do instead; none for :attr:`Treatment.SAME`."""
+
+    treatment: Treatment
+    why: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.treatment is Treatment.SAME) != (not self.why):
+            raise ValueError(f"Parity({self.treatment.name}): a reason goes with all but SAME")
+
+
+#: torchrun's meaning and default.
+SAME = Parity(Treatment.SAME)
+
+
+def different(how: str) -> Parity:
+    return Parity(Treatment.DIFFERENT, how)
+
+
+def ignored(why: str) -> Parity:
+    return Parity(Treatment.IGNORED, why)
+
+
+def refused(why: str) -> Parity:
+    return Parity(Treatment.REFUSED, why)
+
+
 class Command(enum.Enum):
     """Who takes a setting; ``run`` and ``master`` are also the TOML files' sections."""
 
@@ -71,7 +110,7 @@ class Setting(Generic[T]):
     field: str | None = ""  # the RunConfig/MasterConfig field ("": the key); None: none
     env_name: str = ""  # "": PREFIX + KEY
     in_file: bool = True  # whether a TOML file may set it
-    torchrun: bool = False  # one of torchrun's flags (dlrover-run's first group)
+    torchrun: Parity | None = None  # one of torchrun's flags: how dlrover-run treats it
     metavar: str | None = None
     help: str | Mapping[Command, str] = ""
 
@@ -115,6 +154,10 @@ class Setting(Generic[T]):
         return flags
 
     def help_for(self, command: Command) -> str:
+        """Its help; a torchrun flag that dlrover-run ignores or refuses says why."""
+        parity = self.torchrun
+        if parity is not None and parity.treatment in (Treatment.IGNORED, Treatment.REFUSED):
+            return f"torchrun's; {parity.treatment.value}: {parity.why}"
         return self.help if isinstance(self.help, str) else self.help[command]
 
 
@@ -131,7 +174,7 @@ NNODES: Setting[NodeRange] = Setting(
     flags=("--nnodes",),
     default=NodeRange(min=1, max=1),
     parse=NodeRange.parse,
-    torchrun=True,
+    torchrun=SAME,
     help={
         Command.RUN: "number of nodes, or MIN:MAX for an elastic job (default 1:1)",
         Command.MASTER: "N or MIN:MAX nodes in the training group",
@@ -152,7 +195,10 @@ MAX_RESTARTS = Setting(
     flags=_torchrun("max-restarts"),
     kind=Kind.INT,
     default=3,
-    torchrun=True,
+    torchrun=different(
+        "counted for the whole job (a restart of any node's workers counts once), not per "
+        "agent; default 3, not 0"
+    ),
     help={
         Command.RUN: "worker-group restarts allowed for the whole job (counted per job, "
         "not per agent as torchrun does; default 3)",
@@ -228,7 +274,10 @@ NPROC_PER_NODE = Setting(
     flags=_torchrun("nproc-per-node"),
     default="1",
     parse=parse_nproc,
-    torchrun=True,
+    torchrun=different(
+        "a number, auto, cpu or gpu; not xpu nor another accelerator's name, and auto counts "
+        "CUDA devices only"
+    ),
     help="workers per node: a number, or auto, cpu, gpu (default 1)",
 )
 RDZV_BACKEND = Setting(
@@ -236,14 +285,18 @@ RDZV_BACKEND = Setting(
     flags=_torchrun("rdzv-backend"),
     default="dlrover",
     field=None,
-    torchrun=True,
-    help="accepted for torchrun compatibility; the job master does rendezvous",
+    torchrun=ignored(
+        "the job master does the rendezvous (--rdzv-endpoint still says where to find or start it)"
+    ),
 )
 RDZV_ENDPOINT = Setting(
     key="rdzv_endpoint",
     flags=_torchrun("rdzv-endpoint"),
     default="",
-    torchrun=True,
+    torchrun=different(
+        "HOST[:PORT] of the job master: with none running, the agent on HOST starts one on PORT "
+        "(default 29400); under Slurm the job directory names it"
+    ),
     help="HOST[:PORT]: with no job master running (a torchrun script), the agent on HOST "
     "starts one on PORT (default 29400) and the others connect to it",
 )
@@ -252,7 +305,7 @@ RDZV_ID: Setting[str | None] = Setting(
     flags=_torchrun("rdzv-id"),
     default=None,
     field="run_id",
-    torchrun=True,
+    torchrun=different("default: the job master's job id (the Slurm job id), not 'none'"),
     help="run id (TORCHELASTIC_RUN_ID); default: the Slurm job id",
 )
 RDZV_CONF = Setting(
@@ -260,7 +313,9 @@ RDZV_CONF = Setting(
     flags=_torchrun("rdzv-conf"),
     default="",
     parse=parse_rdzv_conf,
-    torchrun=True,
+    torchrun=different(
+        "the keys are the job master's: join_timeout, last_call_timeout, close_timeout"
+    ),
     help="KEY=VALUE,...: join_timeout, last_call_timeout, close_timeout",
 )
 STANDALONE = Setting(
@@ -268,7 +323,7 @@ STANDALONE = Setting(
     flags=("--standalone",),
     kind=Kind.SWITCH,
     default=False,
-    torchrun=True,
+    torchrun=SAME,
     help="single node: run an in-process master, no Slurm needed",
 )
 MONITOR_INTERVAL = Setting(
@@ -277,7 +332,7 @@ MONITOR_INTERVAL = Setting(
     kind=Kind.FLOAT,
     default=0.1,
     field="monitor_interval_s",
-    torchrun=True,
+    torchrun=SAME,
     help="seconds between checks of the workers (default 0.1)",
 )
 START_METHOD = Setting(
@@ -285,22 +340,23 @@ START_METHOD = Setting(
     flags=_torchrun("start-method"),
     default="spawn",
     choices=("spawn", "fork", "forkserver"),
-    torchrun=True,
-    help="how workers are started",
+    torchrun=ignored(
+        "a worker is a process started from the script, as torchrun starts a script (torchrun "
+        "uses the start method only with --run-path)"
+    ),
 )
 EVENT_LOG_HANDLER = Setting(
     key="event_log_handler",
     flags=_torchrun("event-log-handler"),
     default="null",
     field=None,
-    torchrun=True,
-    help="accepted for torchrun compatibility; events go to events.jsonl",
+    torchrun=ignored("events go to <job dir>/events.jsonl"),
 )
 ROLE = Setting(
     key="role",
     flags=("--role",),
     default="default",
-    torchrun=True,
+    torchrun=SAME,
     help="role of the workers (default: default)",
 )
 MODULE = Setting(
@@ -308,7 +364,7 @@ MODULE = Setting(
     flags=("-m", "--module"),
     kind=Kind.SWITCH,
     default=False,
-    torchrun=True,
+    torchrun=SAME,
     help="run the script as a module, like python -m",
 )
 NO_PYTHON = Setting(
@@ -316,7 +372,7 @@ NO_PYTHON = Setting(
     flags=_torchrun("no-python"),
     kind=Kind.SWITCH,
     default=False,
-    torchrun=True,
+    torchrun=SAME,
     help="run the script as an executable, without prepending python",
 )
 RUN_PATH = Setting(
@@ -325,21 +381,26 @@ RUN_PATH = Setting(
     kind=Kind.SWITCH,
     default=False,
     field=None,
-    torchrun=True,
-    help="accepted for torchrun compatibility (runs in a worker process)",
+    torchrun=ignored(
+        "each worker runs the script in a process of its own, as without --run-path: flash "
+        "checkpoints and recovery need one per worker"
+    ),
 )
 LOG_DIR: Setting[str | None] = Setting(
     key="log_dir",
     flags=_torchrun("log-dir"),
     default=None,
-    torchrun=True,
+    torchrun=different(
+        "default: <job dir>/logs/<node>, not a temporary directory; each rendezvous round has "
+        "a round<N> directory in it"
+    ),
     help="directory for per-rank stdout/stderr logs",
 )
 REDIRECTS = Setting(
     key="redirects",
     flags=("-r", "--redirects"),
     default="0",
-    torchrun=True,
+    torchrun=SAME,
     help="redirect std streams of workers into log files: 0 none, 1 stdout, "
     "2 stderr, 3 both; or per rank, e.g. 0:1,1:2",
 )
@@ -347,32 +408,48 @@ TEE = Setting(
     key="tee",
     flags=("-t", "--tee"),
     default="0",
-    torchrun=True,
+    torchrun=SAME,
     help="copy std streams to log files and the console (same values)",
 )
 LOCAL_RANKS_FILTER = Setting(
     key="local_ranks_filter",
     flags=_torchrun("local-ranks-filter"),
     default="",
-    torchrun=True,
+    torchrun=SAME,
     help="only show these local ranks on the console, e.g. 0,1",
 )
+
+
+def _duplicate(stream: str) -> Setting[str]:
+    """torchrun's ``--duplicate-<stream>-filters``: the tee'd lines that match, in one file."""
+    return Setting(
+        key=f"duplicate_{stream}_filters",
+        flags=_torchrun(f"duplicate-{stream}-filters"),
+        default="",
+        field=None,
+        metavar="TEXT,...",
+        torchrun=ignored(
+            f"no filtered_{stream}.log is written; grep the {stream}.log files under --log-dir"
+        ),
+    )
+
+
+DUPLICATE_STDOUT_FILTERS = _duplicate("stdout")
+DUPLICATE_STDERR_FILTERS = _duplicate("stderr")
 NODE_RANK = Setting(
     key="node_rank",
     flags=_torchrun("node-rank"),
     kind=Kind.INT,
     default=-1,
     field=None,
-    torchrun=True,
-    help="ignored: the master assigns node ranks (topology order)",
+    torchrun=ignored("the job master assigns node ranks (in topology order)"),
 )
 MASTER_ADDR: Setting[str | None] = Setting(
     key="master_addr",
     flags=_torchrun("master-addr"),
     default=None,
     field=None,
-    torchrun=True,
-    help="ignored: MASTER_ADDR is node rank 0's address, chosen per round",
+    torchrun=ignored("MASTER_ADDR is node rank 0's address, chosen by the job master each round"),
 )
 MASTER_PORT: Setting[int | None] = Setting(
     key="master_port",
@@ -380,15 +457,15 @@ MASTER_PORT: Setting[int | None] = Setting(
     kind=Kind.INT,
     default=None,
     field=None,
-    torchrun=True,
-    help="ignored: MASTER_PORT is fresh for every round so restarts never "
-    "dial the previous attempt's ports",
+    torchrun=ignored(
+        "MASTER_PORT is fresh each round, so a restart never dials the previous attempt's ports"
+    ),
 )
 LOCAL_ADDR: Setting[str | None] = Setting(
     key="local_addr",
     flags=_torchrun("local-addr"),
     default=None,
-    torchrun=True,
+    torchrun=SAME,
     help="address other nodes use to reach this one (default: host name)",
 )
 LOGS_SPECS: Setting[str | None] = Setting(
@@ -396,8 +473,9 @@ LOGS_SPECS: Setting[str | None] = Setting(
     flags=_torchrun("logs-specs"),
     default=None,
     field=None,
-    torchrun=True,
-    help="accepted for torchrun compatibility",
+    torchrun=ignored(
+        "the workers' logs are laid out as by torchrun's default LogsSpecs; no other is loaded"
+    ),
 )
 SHUTDOWN_TIMEOUT = Setting(
     key="shutdown_timeout",
@@ -406,16 +484,38 @@ SHUTDOWN_TIMEOUT = Setting(
     default=15,
     parse=float,
     field="shutdown_timeout_s",
-    torchrun=True,
+    torchrun=different("default 15 s (torchrun: $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s)"),
     help="seconds between SIGTERM and SIGKILL when stopping workers (default 15)",
+)
+NUMA_BINDING: Setting[str | None] = Setting(
+    key="numa_binding",
+    flags=_torchrun("numa-binding"),
+    default=None,
+    choices=("node", "socket", "exclusive", "core-complex"),
+    field=None,
+    torchrun=refused(
+        "dlrover-run does not bind workers to CPUs; drop it and bind the job step instead "
+        "(srun --cpu-bind=..., or numactl in a --no-python wrapper)"
+    ),
 )
 SIGNALS_TO_HANDLE = Setting(
     key="signals_to_handle",
     flags=_torchrun("signals-to-handle"),
     default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
     field=None,
-    torchrun=True,
-    help="signals forwarded to the workers",
+    torchrun=ignored(
+        "the agent stops its workers on SIGTERM, SIGINT and SIGHUP; SIGUSR1 is --requeue-by's"
+    ),
+)
+
+VIRTUAL_LOCAL_RANK = Setting(
+    key="virtual_local_rank",
+    flags=_torchrun("virtual-local-rank"),
+    kind=Kind.SWITCH,
+    default=False,
+    torchrun=SAME,
+    help="every worker sees LOCAL_RANK=0 and only its own GPU, as device 0 "
+    "(CUDA_VISIBLE_DEVICES: its entry of the agent's list, else its local rank)",
 )
 
 # ------------------------------------------------------------------ dlrover-run: its own
@@ -697,8 +797,9 @@ MASTER_OPTS = Setting(key="master_opts", default="")
 _RUN = (
     NNODES, NPROC_PER_NODE, RDZV_BACKEND, RDZV_ENDPOINT, RDZV_ID, RDZV_CONF, STANDALONE,
     MAX_RESTARTS, MONITOR_INTERVAL, START_METHOD, EVENT_LOG_HANDLER, ROLE, MODULE, NO_PYTHON,
-    RUN_PATH, LOG_DIR, REDIRECTS, TEE, LOCAL_RANKS_FILTER, NODE_RANK, MASTER_ADDR,
-    MASTER_PORT, LOCAL_ADDR, LOGS_SPECS, SHUTDOWN_TIMEOUT, SIGNALS_TO_HANDLE,
+    RUN_PATH, LOG_DIR, REDIRECTS, TEE, LOCAL_RANKS_FILTER, DUPLICATE_STDOUT_FILTERS,
+    DUPLICATE_STDERR_FILTERS, NODE_RANK, MASTER_ADDR, MASTER_PORT, LOCAL_ADDR, LOGS_SPECS,
+    NUMA_BINDING, SIGNALS_TO_HANDLE, SHUTDOWN_TIMEOUT, VIRTUAL_LOCAL_RANK,
     MASTER, NETWORK_CHECK, EXCLUDE_STRAGGLER, NODE_UNIT, LINK_TIMEOUT, RECONNECT_TIMEOUT,
     HANG_TIMEOUT, STRAGGLER_FACTOR, REQUEUE_BY, *OFF_SWITCHES, TRANSPARENT, JOB_DIR, CONFIG,
 )  # fmt: skip

@@ -21,6 +21,7 @@ from dlrover_hpc.agent.zygote import (
     run_args,
 )
 from dlrover_hpc.config import RunConfig
+from dlrover_hpc.errors import ConfigError
 from dlrover_hpc.jobdir import PARAL_CONFIG, PARAL_CONFIG_ENV
 from dlrover_hpc.protocol.messages import Assignment
 from dlrover_hpc.slurm.env import worker_task_env
@@ -83,9 +84,26 @@ def worker_env(
         env[PARAL_CONFIG_ENV] = os.path.join(extra[environ.JOB_DIR], PARAL_CONFIG)
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default
+    if config.virtual_local_rank:
+        env.update(virtual_local_rank_env(local_rank, os.environ.get("CUDA_VISIBLE_DEVICES")))
     if injections.SLURM_ENV_REWRITE.name not in config.off:
         env.update(worker_task_env(os.environ, env))
     return env
+
+
+def virtual_local_rank_env(local_rank: int, visible: str | None) -> dict[str, str]:
+    """``--virtual-local-rank`` (torchrun's): the worker sees LOCAL_RANK=0 and only its own GPU,
+    its entry of the agent's ``CUDA_VISIBLE_DEVICES``, else the GPU of its local rank."""
+    if visible is None:
+        return {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": str(local_rank)}
+    devices = visible.split(",")
+    if local_rank >= len(devices):
+        raise ConfigError(
+            f"--virtual-local-rank: local rank {local_rank} has no GPU in "
+            f"CUDA_VISIBLE_DEVICES={visible}; lower --nproc-per-node to {len(devices)} or "
+            "make more GPUs visible"
+        )
+    return {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": devices[local_rank].strip()}
 
 
 class WorkerGroup:

@@ -1,4 +1,9 @@
-"""``dlrover-run`` flags: every torchrun flag with torchrun's meaning, plus dlrover-hpc's own."""
+"""``dlrover-run`` flags: every torchrun flag, plus dlrover-hpc's own.
+
+Each torchrun flag declares how dlrover-run treats it (:class:`dlrover_hpc.settings.Parity`):
+with torchrun's meaning, with a meaning of its own, ignored (a warning at start names it), or
+refused (exit 2 naming it and what to do instead).  docs/reference/torchrun.md is the table.
+"""
 
 from __future__ import annotations
 
@@ -15,12 +20,13 @@ from dlrover_hpc.cli.parser import Parser
 from dlrover_hpc.cli.site_config import ConfigFiles, Defaults
 from dlrover_hpc.config import RunConfig, parse_hang_timeout
 from dlrover_hpc.errors import ConfigError
-from dlrover_hpc.settings import Command
+from dlrover_hpc.settings import Command, Setting, Treatment
 
 DESCRIPTION = """\
 Start one dlrover-hpc agent on this node: join the job master's rendezvous, spawn
 --nproc-per-node workers with torchrun's environment, supervise and restart them, and host
-the node's flash-checkpoint saver.  Accepts every torchrun flag.
+the node's flash-checkpoint saver.  Accepts torchrun's flags: the few it ignores or
+refuses say so (docs/reference/torchrun.md).
 
 examples:
   dlrover-run --standalone --nproc-per-node=2 train.py --steps 100
@@ -37,10 +43,10 @@ def build_parser(defaults: Defaults | None = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    t = p.add_argument_group("torchrun flags (same meaning as torchrun's)")
+    t = p.add_argument_group("torchrun's flags (docs/reference/torchrun.md: where they differ)")
     d = p.add_argument_group("dlrover-hpc flags")
     for setting in settings.BY_COMMAND[Command.RUN]:
-        defaults.add(t if setting.torchrun else d, setting)
+        defaults.add(d if setting.torchrun is None else t, setting)
     p.add_argument("training_script", help="the training script (or module with -m)")
     p.add_argument(
         "training_script_args", nargs=argparse.REMAINDER, help="arguments of the training script"
@@ -59,8 +65,45 @@ def section_parsers() -> dict[str, argparse.ArgumentParser]:
     return {section: section_parser(section) for section in site_config.COMMANDS}
 
 
+def _given(args: argparse.Namespace, treatment: Treatment) -> list[tuple[Setting[object], str]]:
+    """The torchrun flags of ``treatment`` that were given a value other than their built-in
+    default (on the command line, in the environment or a file), each with the value as given."""
+    given = []
+    for setting in settings.BY_COMMAND[Command.RUN]:
+        parity = setting.torchrun
+        value = getattr(args, setting.key, None)
+        if parity is not None and parity.treatment is treatment and value != _builtin(setting):
+            given.append((setting, "" if isinstance(value, bool) else f"={value}"))
+    return given
+
+
+def _builtin(setting: Setting[object]) -> object:
+    """The built-in default as the parser reads it (an int flag's "-1" is -1)."""
+    text = setting.text
+    if isinstance(text, str) and setting.kind in (settings.Kind.INT, settings.Kind.FLOAT):
+        return (int if setting.kind is settings.Kind.INT else float)(text)
+    return text
+
+
+def refuse(args: argparse.Namespace) -> None:
+    """A refused torchrun flag, given, is a ConfigError naming it, why and what to do."""
+    for setting, value in _given(args, Treatment.REFUSED):
+        assert setting.torchrun is not None
+        raise ConfigError(f"{setting.flag}{value} (torchrun's): {setting.torchrun.why}")
+
+
+def ignored_notices(args: argparse.Namespace) -> tuple[str, ...]:
+    """One warning for each ignored torchrun flag that was given, naming it and why."""
+    return tuple(
+        f"{setting.flag}{value} ignored (torchrun's flag): {setting.torchrun.why}"
+        for setting, value in _given(args, Treatment.IGNORED)
+        if setting.torchrun is not None
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """Parsed flags as a :class:`RunConfig`; raises ConfigError (exit 2) naming the flag and fix."""
+    refuse(args)
     hang_timeout_s = parse_hang_timeout(str(args.hang_timeout))
     if args.standalone and args.rdzv_endpoint:
         raise ConfigError(
@@ -117,6 +160,11 @@ def parse_args(argv: Sequence[str], *, config: str | None = None) -> argparse.Na
 
 
 def parse(argv: Sequence[str] | None = None) -> RunConfig:
+    return parse_with_notices(argv)[0]
+
+
+def parse_with_notices(argv: Sequence[str] | None = None) -> tuple[RunConfig, tuple[str, ...]]:
+    """The config, and the warnings to log once at start (:func:`ignored_notices`)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config = config_from_args(args)
@@ -124,4 +172,4 @@ def parse(argv: Sequence[str] | None = None) -> RunConfig:
     except ConfigError as exc:
         print(f"dlrover-run: error: {site_config.attribute(str(exc), args)}", file=sys.stderr)
         raise SystemExit(2) from None
-    return config
+    return config, ignored_notices(args)
