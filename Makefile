@@ -1,4 +1,5 @@
-# The set-up commands of the README: `make demo`, `make test` and `make test-fast`.
+# The set-up commands of the README: `make demo`, `make test`, `make test-fast`, `make lint`
+# and `make docs`.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -9,7 +10,7 @@ NODES  ?= 4
 WORKERS ?= 4
 PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup --durations=10
 
-.PHONY: venv demo test test-fast lint down clean
+.PHONY: venv demo test test-fast lint docs down clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,14 +32,20 @@ demo: venv
 	$(VENV)/bin/dlrover-hpc local-slurm up --nodes $(NODES)
 	bash examples/demo.sh
 
-lint: venv
-	$(VENV)/bin/ruff check dlrover_hpc tests benchmarks examples
-	$(VENV)/bin/ruff format --check dlrover_hpc tests benchmarks examples
+lint: venv docs
+	$(VENV)/bin/ruff check dlrover_hpc tests benchmarks examples docs
+	$(VENV)/bin/ruff format --check dlrover_hpc tests benchmarks examples docs
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-# The lint runs beside the tests (it needs ~25 s of one core while the local Slurms come up),
-# its output kept for the end; either one failing fails the target.
+# The documentation site (mkdocs.yml; default theme, no network): --strict fails on a broken
+# link, an anchor that is not there or a page missing from the nav. Part of `make lint`, so of
+# `make test` and CI. The generated reference pages are checked by tests/test_docs.py.
+docs: venv
+	$(VENV)/bin/mkdocs build --strict --quiet
+
+# The lint and the docs run beside the tests (they need ~30 s of one core while the local
+# Slurms come up), their output kept for the end; either one failing fails the target.
 test: venv
 	@$(MAKE) --no-print-directory lint > $(VENV)/lint.log 2>&1 & lint=$$!; \
 	$(PYTEST) tests; tests=$$?; \

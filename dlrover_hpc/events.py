@@ -1,4 +1,7 @@
-"""The names of the events in a job's ``events.jsonl`` (docs/ARCHITECTURE.md, the event log).
+"""The names of the events in a job's ``events.jsonl`` (docs/design/architecture.md, the event log).
+
+docs/reference/events.md lists them with their comments, made from this file by
+docs/reference.py: a new member needs its comment.
 
 Every writer and every reader of the log uses these members.  ``EventName`` is a ``StrEnum``:
 a member is written to JSON as its plain string, and compares equal to it when read back.
@@ -11,43 +14,43 @@ from enum import StrEnum
 
 class EventName(StrEnum):
     # The job's life (master).
-    JOB_STARTED = "job_started"
-    RENDEZVOUS_COMPLETE = "rendezvous_complete"
-    WORKERS_STARTED = "workers_started"
-    WORKER_FAILED = "worker_failed"
-    WORKERS_RESTARTED = "workers_restarted"
-    JOB_FINISHED = "job_finished"
+    JOB_STARTED = "job_started"  # a master started (resumed_round: from the journal)
+    RENDEZVOUS_COMPLETE = "rendezvous_complete"  # a round formed (round, nodes in rank order)
+    WORKERS_STARTED = "workers_started"  # a node started its workers (pids, in_process)
+    WORKER_FAILED = "worker_failed"  # a worker died (exit code or signal, classification)
+    WORKERS_RESTARTED = "workers_restarted"  # the job restarted its workers (restart count)
+    JOB_FINISHED = "job_finished"  # the job ended (exit code, reason, durable step)
     LOG_REPAIRED = "log_repaired"  # a master found a torn last line and sealed it
     TRAINING_PROGRESS = "training_progress"  # the job's step (round, step, at), every few s
     MASTER_RECOVERED = "master_recovered"  # a restarted master adopted the running round
     # Nodes (master).
     NODE_JOINED = "node_joined"  # an agent registered (a new node, or a restarted agent)
-    NODE_LOST = "node_lost"
-    NODE_ADMITTED = "node_admitted"
-    NODE_RELAUNCHED = "node_relaunched"
-    NODE_READMITTED = "node_readmitted"
+    NODE_LOST = "node_lost"  # closed connection, timed-out link or missed heartbeats
+    NODE_ADMITTED = "node_admitted"  # a spare, relaunch or replacement joined a round
+    NODE_RELAUNCHED = "node_relaunched"  # the master started a new agent on a live node
+    NODE_READMITTED = "node_readmitted"  # a lost agent's connection came back
     HANG_DETECTED = "hang_detected"  # no rank progressed for --hang-timeout
     #: a rank still running after its peers finished training and one exited 0, blocked: stopped,
     #: counted as succeeded (rank, node, stack)
     EXIT_HANG = "exit_hang"
     #: no step for the learned bound, but a rank computes (its CPU time grows): not restarted
     PROGRESS_STALLED = "progress_stalled"
-    STRAGGLER_DETECTED = "straggler_detected"  # a rank's forward is slow for a while
-    NETCHECK_RESULT = "netcheck_result"
-    NODE_DRAINED = "node_drained"
-    NODE_QUARANTINED = "node_quarantined"
-    REPLACEMENT_REQUESTED = "replacement_requested"
-    REPLACEMENT_FAILED = "replacement_failed"
-    JOB_REQUEUED = "job_requeued"
+    STRAGGLER_DETECTED = "straggler_detected"  # a rank's compute, or a node's link, is slow
+    NETCHECK_RESULT = "netcheck_result"  # a network-check round (faulty, stragglers, timings)
+    NODE_DRAINED = "node_drained"  # scontrol drained a faulty node
+    NODE_QUARANTINED = "node_quarantined"  # a faulty node kept out of this job (no drain)
+    REPLACEMENT_REQUESTED = "replacement_requested"  # a replacement job submitted
+    REPLACEMENT_FAILED = "replacement_failed"  # Slurm refused it (reason, next action)
+    JOB_REQUEUED = "job_requeued"  # below MIN nodes too long: scontrol requeue
     # Time limits and preemption (master): the step saved at the signal, and the next job.
-    JOB_PREEMPTED = "job_preempted"
-    TIME_LIMIT_REACHED = "time_limit_reached"
-    JOB_CONTINUED = "job_continued"
+    JOB_PREEMPTED = "job_preempted"  # SIGTERM: saved at a step (step, stop_step)
+    TIME_LIMIT_REACHED = "time_limit_reached"  # USR1 or --stop-lead: saved at a step
+    JOB_CONTINUED = "job_continued"  # the next run (job, how: requeue or resubmit)
     # Checkpoints (training processes and the agents' savers).
-    CHECKPOINT_SAVED = "checkpoint_saved"
-    CHECKPOINT_SAVE_FAILED = "checkpoint_save_failed"
-    CHECKPOINT_PERSISTED = "checkpoint_persisted"
-    CHECKPOINT_PERSIST_FAILED = "checkpoint_persist_failed"
-    CHECKPOINT_STORAGE_LOW = "checkpoint_storage_low"
-    CHECKPOINT_RESTORED = "checkpoint_restored"
+    CHECKPOINT_SAVED = "checkpoint_saved"  # a step in memory (blocking_s, total_s)
+    CHECKPOINT_SAVE_FAILED = "checkpoint_save_failed"  # a save skipped (error)
+    CHECKPOINT_PERSISTED = "checkpoint_persisted"  # a step committed on storage
+    CHECKPOINT_PERSIST_FAILED = "checkpoint_persist_failed"  # storage refused (step, error)
+    CHECKPOINT_STORAGE_LOW = "checkpoint_storage_low"  # room for < 2 more checkpoints
+    CHECKPOINT_RESTORED = "checkpoint_restored"  # a rank restored (step, source)
     CHECKPOINT_REPLICATED = "checkpoint_replicated"  # a node's part copied to peers' memory

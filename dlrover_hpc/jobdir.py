@@ -2,8 +2,8 @@
 the one owner of the master's files in it.
 
 ``$SLURM_SUBMIT_DIR/.dlrover-hpc/$SLURM_JOB_ID`` under Slurm, else under the current directory
-(docs/ARCHITECTURE.md section 4).  The master's files are named here, and written and read only
-through this module: ``master.json`` (where the master listens), ``master.lease`` (its
+(docs/design/architecture.md section 4).  The master's files are named here, and written and
+read only through this module: ``master.json`` (where the master listens), ``master.lease`` (its
 renewals), ``journal.jsonl`` and ``events.jsonl`` (their paths; the record logic is
 :mod:`dlrover_hpc.master.journal`'s) and ``hangs/`` (one directory per hang report).  Imports
 nothing from the package but its errors.

@@ -539,7 +539,9 @@ EXCLUDE_STRAGGLER = Setting(
     flags=("--exclude-straggler",),
     kind=Kind.SWITCH,
     default=False,
-    help="with --network-check: exclude a straggler (check time > 2x median)",
+    help="exclude stragglers: with --network-check, a node whose check takes over 2x the "
+    "median; and a runtime straggler's node (straggler_detected) is swapped out at the next "
+    "checkpoint always, not only when a spare waits or the others are enough",
 )
 #: ``--reconnect-timeout``: how long an agent whose master connection dropped keeps trying to
 #: reconnect (its workers train on meanwhile) before it stops them and exits.

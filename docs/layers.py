@@ -1,8 +1,8 @@
-"""The layer diagram of docs/ARCHITECTURE.md, drawn from the import-linter contracts.
+"""The layer diagram of docs/design/architecture.md, drawn from the import-linter contracts.
 
 The rows are ``pyproject.toml``'s layers contract, top to bottom; each package's line is the
 first sentence of its own docstring.  ``python docs/layers.py`` prints the diagram,
-``--write`` puts it into docs/ARCHITECTURE.md between its markers, and
+``--write`` puts it into docs/design/architecture.md between its markers, and
 tests/test_architecture.py fails when the page and the contracts disagree.
 """
 
@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PAGE = REPO / "docs" / "ARCHITECTURE.md"
+PAGE = REPO / "docs" / "design" / "architecture.md"
 BEGIN, END = "<!-- layers: begin (docs/layers.py) -->", "<!-- layers: end -->"
 WIDTH = 100
 

@@ -1,4 +1,4 @@
-"""docs/ARCHITECTURE.md's layer diagram is the import-linter contracts' (docs/layers.py)."""
+"""docs/design/architecture.md's layer diagram is the import-linter contracts' (docs/layers.py)."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ class CommitCoordinator(Protocol):
 
 
 class EventSink(Protocol):
-    """Receives the job events of docs/ARCHITECTURE.md (event log)."""
+    """Receives the job events of docs/design/architecture.md (event log)."""
 
     def emit(self, event: EventName, **fields: Any) -> None: ...
 

@@ -1,4 +1,5 @@
-"""Event sinks: JSON lines appended to the job's events.jsonl (docs/ARCHITECTURE.md, event log)."""
+"""Event sinks: JSON lines appended to the job's events.jsonl (docs/design/architecture.md,
+event log)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from dlrover_hpc import settings
 class Parser(argparse.ArgumentParser):
     """``PROG: error: what is wrong; see 'PROG --help'`` on stderr, exit 2.
 
-    Exit codes: docs/ARCHITECTURE.md section 4.
+    Exit codes: docs/design/architecture.md section 4.
 
     Sub-command parsers are made with the parser's own class, so they answer the same way.
     """

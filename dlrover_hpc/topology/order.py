@@ -1,4 +1,6 @@
-"""Topology-aware node rank order (docs/ARCHITECTURE.md, topology order). Pure and deterministic.
+"""Topology-aware node rank order (docs/design/architecture.md, topology order).
+
+Pure and deterministic.
 
 Rules: nodes under one leaf switch get adjacent ranks; leaves under one upper switch are adjacent
 (recursively: every switch's subtree is one contiguous run); siblings, roots and the nodes of a

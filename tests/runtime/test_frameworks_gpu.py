@@ -1,9 +1,9 @@
 """Megatron-Core on an NVIDIA GPU (issue 27): its distributed checkpoints
 (`megatron.core.dist_checkpointing`) through the flash path, under `dlrover-run --standalone`,
 the process SIGKILLed after step 15 of 30, checkpoints every 10 steps: Megatron's own
-checkpoints resume at 10, the flash path at 15 (restored from memory).  Megatron-Core runs only
-on CUDA (its attention takes `torch.cuda.current_device()`), so CPU runs skip this test; on an
-H100 it passed (README, "Frameworks")."""
+checkpoints resume at 10, the flash path at 15 (restored from memory).  This test runs the
+script on a CUDA GPU only (it also takes --cpu, but the CPU matrix does not install
+Megatron-Core), so CPU runs skip it; on an H100 it passed (docs/guide/frameworks.md)."""
 
 from __future__ import annotations
 

@@ -34,8 +34,8 @@ def _wait_step(work: Path, step: int) -> None:
 
 
 def independent_goodput(evs: list[dict]) -> float:
-    """The README's definition, written again without the report's code: the final step (the
-    job trained every step once) x the median over steps of the time per step between two
+    """docs/guide/goodput.md's definition, written again without the report's code: the final
+    step (the job trained every step once) x the median over steps of the time per step between two
     progress events of one round (not its first; no fault between; blocking taken out)."""
     start = next(e["time"] for e in evs if e["event"] == "job_started")
     end = next(e["time"] for e in evs if e["event"] == "job_finished")
