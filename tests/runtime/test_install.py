@@ -15,6 +15,8 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -44,13 +46,19 @@ def test_readme_blocks_are_found() -> None:
     assert {"install", "first-run"} <= set(blocks), sorted(blocks)
 
 
-def _build_wheel(out: Path, scratch: Path) -> Path:
-    """The wheel of this checkout, built from a copy (no build/ or egg-info left in it)."""
+def _source_copy(scratch: Path) -> Path:
+    """What the package is built from, copied (no build/ or egg-info left in the checkout)."""
     src = scratch / "src"
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
     shutil.copytree(REPO / "dlrover_hpc", src / "dlrover_hpc", ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
+    return src
+
+
+def _build_wheel(out: Path, scratch: Path) -> Path:
+    """The wheel of this checkout."""
+    src = _source_copy(scratch)
     subprocess.run(
         [*PIP_WHEEL, "-w", str(out), str(src)],
         check=True,
@@ -59,6 +67,27 @@ def _build_wheel(out: Path, scratch: Path) -> Path:
     )
     (wheel,) = out.glob("dlrover_hpc-*.whl")
     return wheel
+
+
+def test_the_sdist_and_the_wheel_carry_the_templates(tmp_path: Path) -> None:
+    src = _source_copy(tmp_path)
+    build = f"from setuptools import build_meta as b; print(b.build_sdist({str(tmp_path)!r}))"
+    name = subprocess.run(
+        [sys.executable, "-c", build],
+        cwd=src,
+        check=True,
+        timeout=120,
+        capture_output=True,
+        text=True,
+    ).stdout.split()[-1]
+    with tarfile.open(tmp_path / name) as sdist:
+        names = sdist.getnames()
+    wheel = _build_wheel(tmp_path / "wheel", tmp_path / "again")
+    with zipfile.ZipFile(wheel) as zipped:
+        in_wheel = zipped.namelist()
+    for template in ("train.sbatch", "replacement.sbatch", "train.py"):
+        assert f"{name.removesuffix('.tar.gz')}/dlrover_hpc/templates/{template}" in names
+        assert f"dlrover_hpc/templates/{template}" in in_wheel
 
 
 def _fresh_env(venv: Path) -> dict[str, str]:
