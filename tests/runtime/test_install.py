@@ -154,6 +154,19 @@ def test_readme_install_and_first_run_from_the_wheel(tmp_path: Path) -> None:
     assert (work / "train.py").read_text().startswith('"""A small DDP training script')
     assert re.search(r"^done: \d+ steps, world size 2$", first.stdout, re.MULTILINE), out[-4000:]
     assert "running as --standalone, as torchrun does" in first.stderr, first.stderr[-3000:]
+    # The installed sbatch template names this venv's commands and templates.
+    sbatch = subprocess.run(
+        [str(venv / "bin" / "dlrover-hpc"), "template", "sbatch"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.splitlines()
+    assert f'install_bin="{venv / "bin"}"' in sbatch
+    templates = next(line for line in sbatch if line.startswith("install_templates="))
+    assert templates.startswith(f'install_templates="{venv}/lib/'), templates
 
 
 @pytest.mark.slurm
