@@ -204,3 +204,34 @@ def test_the_written_sbatch_template_runs_a_two_node_job(
     assert "done: 20 steps, world size 2" in out, out[-4000:]
     # The template's CKPT_DIR: the script saved where a requeued job resumes from.
     assert (shared_tmp / "checkpoints" / "checkpoint.pt").exists(), out[-4000:]
+
+
+def test_the_train_template_runs_under_torchrun_and_resumes(tmp_path: Path) -> None:
+    """``dlrover-hpc template train`` is torchrun's too; with --ckpt-dir a second run resumes."""
+    (tmp_path / "train.py").write_text(
+        (REPO / "dlrover_hpc" / "templates" / "train.py").read_text()
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DLROVER_HPC_"))}
+    env.pop("CKPT_DIR", None)
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node=2", "train.py"]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*torchrun, "--steps=5", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    first = run()
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "done: 5 steps, world size 2" in first.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.py"]  # saves nothing
+    ckpt = tmp_path / "ckpt"
+    assert run(f"--ckpt-dir={ckpt}").returncode == 0
+    assert (ckpt / "checkpoint.pt").exists()
+    again = run(f"--ckpt-dir={ckpt}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {ckpt / 'checkpoint.pt'} at step 5" in again.stdout, again.stdout
