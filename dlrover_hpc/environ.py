@@ -66,6 +66,9 @@ REPLACES = PREFIX + "REPLACES"
 SBATCH_SCRIPT = PREFIX + "SBATCH_SCRIPT"
 #: How many times this job has been continued (a new run after a time limit or preemption).
 CONTINUATION = PREFIX + "CONTINUATION"
+#: The Python of the dlrover-hpc installation a job's sbatch script runs (its bin directory's
+#: dlrover-run and dlrover-hpc go first on PATH); the written templates carry their own.
+PYTHON = PREFIX + "PYTHON"
 #: Extra sbatch options of a continuation.
 CONTINUE_OPTS = PREFIX + "CONTINUE_OPTS"
 #: The names a continuation does not inherit: the old run's master, token and directory.

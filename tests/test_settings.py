@@ -60,7 +60,7 @@ def test_every_option_string_is_one_declaration(command: Command) -> None:
     parser = _parser(command)
     used: set[str] = set()
     for action in parser._actions:
-        if not action.option_strings or action.dest == "help":
+        if not action.option_strings or action.dest in ("help", "version"):
             continue
         for flag in action.option_strings:
             assert owners.get(flag) == [action.dest], f"{command.value} {flag}: {owners.get(flag)}"

@@ -18,6 +18,7 @@ the network and the file system.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import os
 import socket
@@ -36,6 +37,37 @@ log = logging.getLogger(__name__)
 
 #: torchrun's port when ``--rdzv-endpoint`` names none
 DEFAULT_RDZV_PORT = 29400
+
+
+class Without(enum.Enum):
+    """What ``dlrover-run`` does when no ``--master`` names the job master (torchrun's habit)."""
+
+    FIND = "find"  # a Slurm job, an endpoint or a live master.json: find or host the master
+    STANDALONE = "standalone"  # one node and nothing to join: run as --standalone, as torchrun
+    FAIL = "fail"  # several nodes and no way to find their master: say how to give one
+
+
+def without_master(
+    *, nnodes_max: int, master_given: bool, in_slurm: bool, endpoint: bool, live_master: bool
+) -> Without:
+    """torchrun runs a one-node job without any rendezvous flag; ``dlrover-run`` does the same
+    when nothing says there is (or will be) a master to join.  Pure."""
+    if master_given or in_slurm or endpoint or live_master:
+        return Without.FIND
+    return Without.STANDALONE if nnodes_max == 1 else Without.FAIL
+
+
+def master_json_live(job_dir: Path, *, timeout_s: float = 0.5) -> bool:
+    """Whether ``master.json`` in ``job_dir`` names a master that accepts a connection."""
+    info = read_master_info(job_dir)
+    if info is None:
+        return False
+    try:
+        host, port = master_address(info)
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

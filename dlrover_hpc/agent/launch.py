@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -49,7 +50,41 @@ def find_master(job_dir: Path, *, timeout_s: float = MASTER_WAIT_S) -> tuple[str
             time.sleep(0.2)
 
 
+def torchrun_habit(config: RunConfig) -> RunConfig:
+    """``config``, run as ``--standalone`` when torchrun would: one node and nothing to join
+    (no Slurm job, no --rdzv-endpoint, no --master, no live master.json).  A job of several
+    nodes with no way to find its master fails at once, naming the flags that give one."""
+    if config.standalone:
+        return config
+    job_dir = Path(config.job_dir or default_job_dir())
+    master_given = config.master is not None or bool(os.environ.get(environ.MASTER))
+    in_slurm = bool(os.environ.get("SLURM_JOB_ID"))
+    what = embedded.without_master(
+        nnodes_max=config.nnodes.max,
+        master_given=master_given,
+        in_slurm=in_slurm,
+        endpoint=bool(config.rdzv_endpoint),
+        live_master=not (master_given or in_slurm) and embedded.master_json_live(job_dir),
+    )
+    if what is embedded.Without.STANDALONE:
+        log.info(
+            "one node, no job master to join (no Slurm job, --rdzv-endpoint, --master or "
+            "live %s): running as --standalone, as torchrun does",
+            job_dir / MASTER_INFO,
+        )
+        return dataclasses.replace(config, standalone=True)
+    if what is embedded.Without.FAIL:
+        raise ConfigError(
+            f"--nnodes={config.nnodes} needs a job master, and there is none to find: no Slurm "
+            f"job (SLURM_JOB_ID), no --rdzv-endpoint, no --master or {environ.MASTER}, no live "
+            f"{job_dir / MASTER_INFO}; run one node with --standalone, or give every node's "
+            "dlrover-run the same --rdzv-endpoint=HOST:PORT (the agent on HOST hosts the master)"
+        )
+    return config
+
+
 def run_agent(config: RunConfig) -> int:
+    config = torchrun_habit(config)
     if config.standalone and not config.no_python:
         # This process hosts the master, whose stores are torch's: import torch here, first,
         # and the node's pre-warmed interpreter is a fork of this process (one `import torch`

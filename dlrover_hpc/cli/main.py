@@ -8,7 +8,16 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from dlrover_hpc.cli import commands, config_command, control, launch, local_slurm, topology
+from dlrover_hpc import version_line
+from dlrover_hpc.cli import (
+    commands,
+    config_command,
+    control,
+    launch,
+    local_slurm,
+    template,
+    topology,
+)
 from dlrover_hpc.cli.logsetup import exit_code_of, setup_logging
 from dlrover_hpc.cli.parser import Parser
 from dlrover_hpc.cli.run_args import section_parsers
@@ -26,6 +35,7 @@ def build_parser(files: ConfigFiles | None = None) -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.register_master(sub, Defaults("master", files))
     topology.register(sub)
@@ -38,6 +48,7 @@ def build_parser(files: ConfigFiles | None = None) -> argparse.ArgumentParser:
     control.register_stop(sub)
     config_command.register(sub)
     local_slurm.register(sub)
+    template.register(sub)
     return parser
 
 

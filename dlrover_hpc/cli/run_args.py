@@ -13,7 +13,7 @@ import shutil
 import sys
 from collections.abc import Sequence
 
-from dlrover_hpc import injections, settings
+from dlrover_hpc import injections, settings, version_line
 from dlrover_hpc.cli import site_config
 from dlrover_hpc.cli.commands import master_parser
 from dlrover_hpc.cli.parser import Parser
@@ -43,6 +43,7 @@ def build_parser(defaults: Defaults | None = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
+    p.add_argument("--version", action="version", version=version_line())
     t = p.add_argument_group("torchrun's flags (docs/reference/torchrun.md: where they differ)")
     d = p.add_argument_group("dlrover-hpc flags")
     for setting in settings.BY_COMMAND[Command.RUN]:

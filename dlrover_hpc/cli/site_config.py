@@ -56,6 +56,7 @@ _NOT_SETTINGS = {
     "training_script": "the training script is given on the command line",
     "training_script_args": "the training script's arguments are given on the command line",
     "config": f"a file cannot name another; pass --config FILE or set {CONFIG_ENV}",
+    "version": "--version prints the version and exits; there is nothing to set",
     "help": "not a setting",
 }
 

@@ -67,7 +67,7 @@ def run_soak(
         f"-N{nodes}",
         "-o",
         str(work / "slurm-%j.out"),
-        str(REPO / "sbatch" / ("train-spares.sbatch" if spares else "train.sbatch")),
+        str(REPO / "sbatch" / "train.sbatch"),  # spares: more nodes than --nnodes' maximum
         f"--nnodes={nnodes}",
         "--nproc-per-node=1",
         "--max-restarts=5",

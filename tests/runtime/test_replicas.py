@@ -41,7 +41,6 @@ def test_a_killed_nodes_parts_come_back_from_a_peers_memory(
         "--fail-rank=1",
         f"--timing-log={work / 'timing.log'}",
         f"--result={work / 'result.json'}",
-        template="train-spares.sbatch",
     )
     job_dir = work / ".dlrover-hpc" / job
     victim = ""

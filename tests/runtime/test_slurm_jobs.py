@@ -134,7 +134,6 @@ def test_hot_spare_replaces_killed_node(local_slurm: LocalSlurm, shared_tmp: Pat
         "--nnodes=3:3",
         "--nproc-per-node=1",
         *_train_args(shared_tmp, steps=60, extra=("--step-time=0.1",)),
-        template="train-spares.sbatch",
     )
     jd = _job_dir(shared_tmp, job)
     try:
