@@ -52,6 +52,7 @@ USER_SET = frozenset(
         "SLURM_BACKEND",
         "PRELOAD",
         "LOG_LEVEL",
+        "PYTHON",
     }
 )
 INTERNAL = frozenset(
