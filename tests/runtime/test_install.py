@@ -26,7 +26,6 @@ from dlrover_hpc.localslurm import LocalSlurm
 
 pytestmark = pytest.mark.runtime
 
-TORCH = "torch==2.13.0"
 PIP_WHEEL = (sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q")
 TWO_NODES = ("--nnodes=2", "--nproc-per-node=1", "train.py", "--steps=20")
 BLOCK = re.compile(r"^<!-- block: ([\w-]+) -->\n```bash\n(.*?)^```", re.MULTILINE | re.DOTALL)
@@ -90,8 +89,9 @@ def test_the_sdist_and_the_wheel_carry_the_templates(tmp_path: Path) -> None:
         assert f"dlrover_hpc/templates/{template}" in in_wheel
 
 
-def _fresh_env(venv: Path) -> dict[str, str]:
-    """The environment of a shell with ``venv`` activated and nothing of this checkout's."""
+def _fresh_env(home: Path) -> dict[str, str]:
+    """The environment of a login shell with nothing of this checkout's: no venv active, none
+    of this venv's commands on ``PATH``, ``HOME`` a fresh directory."""
     ours = {str(Path(sys.executable).parent), str(Path(sys.prefix) / "bin")}
     path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p not in ours]
     env = {
@@ -99,37 +99,40 @@ def _fresh_env(venv: Path) -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith(("SLURM_", "DLROVER_HPC_", "PYTHON", "VIRTUAL_ENV", "PYTEST"))
     }
-    env["PATH"] = os.pathsep.join([str(venv / "bin"), *path])
-    env["VIRTUAL_ENV"] = str(venv)
+    env["PATH"] = os.pathsep.join(path)
+    env["HOME"] = str(home)
     return env
 
 
 def test_readme_install_and_first_run_from_the_wheel(tmp_path: Path) -> None:
+    """The two blocks run as written, one after the other in one shell (the install block
+    makes and activates the venv the first run uses), in a directory holding only the wheel."""
     blocks = readme_blocks((REPO / "README.md").read_text())
     work = tmp_path / "work"
     work.mkdir()
     wheel = _build_wheel(work, tmp_path)
     assert wheel.parent == work and list(work.iterdir()) == [wheel]  # the wheel, nothing else
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    env = _fresh_env(venv)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", TORCH]
-    subprocess.run(pip, check=True, timeout=300, env=env, capture_output=True)
-
-    def block(name: str) -> subprocess.CompletedProcess[str]:
-        script = "set -euo pipefail\n" + blocks[name]
-        return subprocess.run(
-            ["bash", "-c", script],
-            cwd=work,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-
-    install = block("install")
-    assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
-    # The venv's own: not this checkout, and torch not upgraded by the README's line.
+    home = tmp_path / "home"
+    home.mkdir()
+    env = _fresh_env(home)
+    marker = "=== first-run ==="
+    script = (
+        "set -euo pipefail\n"
+        + blocks["install"]
+        + 'echo "venv=$VIRTUAL_ENV"\n'
+        + f"echo '{marker}'; echo '{marker}' >&2\n"
+        + blocks["first-run"]
+    )
+    shell = subprocess.run(
+        ["bash", "-c", script], cwd=work, env=env, capture_output=True, text=True, timeout=600
+    )
+    out = shell.stdout + shell.stderr
+    assert shell.returncode == 0, out[-4000:]
+    install_out, first_out = shell.stdout.split(marker + "\n", 1)
+    install_err, first_err = shell.stderr.split(marker + "\n", 1)
+    venv = Path(re.findall(r"^venv=(.+)$", install_out, re.MULTILINE)[-1])
+    assert venv.is_relative_to(home), venv  # the README's own venv, not this checkout's
+    # The venv's own package, and torch as the README's line installed it.
     probe = subprocess.run(
         [
             str(venv / "bin" / "python"),
@@ -146,14 +149,11 @@ def test_readme_install_and_first_run_from_the_wheel(tmp_path: Path) -> None:
     ).stdout.split()
     assert probe[0].startswith(str(venv)), probe
     assert probe[2].startswith("2.13.0"), probe
-    assert f"dlrover-hpc {probe[1]} (torch {probe[2]})" in install.stdout + install.stderr
+    assert f"dlrover-hpc {probe[1]} (torch {probe[2]})" in install_out + install_err
 
-    first = block("first-run")
-    out = first.stdout + first.stderr
-    assert first.returncode == 0, out[-4000:]
     assert (work / "train.py").read_text().startswith('"""A small DDP training script')
-    assert re.search(r"^done: \d+ steps, world size 2$", first.stdout, re.MULTILINE), out[-4000:]
-    assert "running as --standalone, as torchrun does" in first.stderr, first.stderr[-3000:]
+    assert re.search(r"^done: \d+ steps, world size 2$", first_out, re.MULTILINE), out[-4000:]
+    assert "running as --standalone, as torchrun does" in first_err, first_err[-3000:]
     # The installed sbatch template names this venv's commands and templates.
     sbatch = subprocess.run(
         [str(venv / "bin" / "dlrover-hpc"), "template", "sbatch"],
