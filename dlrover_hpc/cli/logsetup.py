@@ -73,7 +73,11 @@ def quiet_pipe(main: Callable[[], int]) -> int:
     it ends quietly with :data:`BROKEN_PIPE`, no traceback.  Standard output is pointed at
     /dev/null, so that the interpreter's last flush at exit cannot fail again."""
     try:
-        code = main()
+        try:
+            code = main()
+        except SystemExit:  # --help, a usage error: its output is flushed here too
+            sys.stdout.flush()
+            raise
         sys.stdout.flush()
         return code
     except BrokenPipeError:

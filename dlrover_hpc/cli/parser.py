@@ -8,6 +8,7 @@ import difflib
 import functools
 import os
 import re
+import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -49,10 +50,18 @@ class Parser(argparse.ArgumentParser):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No abbreviations, in subcommands too: --max-restart is a typo, not --max-restarts.
+        kwargs.setdefault("allow_abbrev", False)
         kwargs["formatter_class"] = _shows_defaults(
             kwargs.get("formatter_class", argparse.HelpFormatter)
         )
         super().__init__(*args, **kwargs)
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        """As argparse's, but a closed pipe is not hidden: the entry point ends quietly with
+        141 (``logsetup.quiet_pipe``), as for any other output."""
+        if message:
+            (file or sys.stderr).write(message)
 
     #: raise a UsageError instead of printing and exiting (``config show`` parses the
     #: commands' flags to check their values, and reports under its own name)
