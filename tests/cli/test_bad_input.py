@@ -516,11 +516,13 @@ def test_real_processes(argv: list[str], env: dict[str, str], says: str, tmp_pat
         ["dlrover-hpc", "config", "show"],
         ["dlrover-run", "--help"],
         ["dlrover-hpc", "master", "--help"],
+        ["dlrover-hpc", "topology", "order", "t.conf"],
     ],
 )
 def test_a_closed_pipe_ends_quietly(argv: list[str], tmp_path: Path) -> None:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", settings.PREFIX))}
     clean |= {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path), settings.SITE_CONFIG.env: ""}
+    (tmp_path / "t.conf").write_text(TOPOLOGY)
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the command writes
     try:
