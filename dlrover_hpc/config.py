@@ -175,8 +175,9 @@ class MasterConfig:
             raise ConfigError(f"--max-restarts={self.max_restarts}: must be 0 or more")
         if self.heartbeat_interval_s >= self.heartbeat_timeout_s:
             raise ConfigError(
-                f"heartbeat interval {self.heartbeat_interval_s} s must be shorter than the "
-                f"heartbeat timeout {self.heartbeat_timeout_s} s"
+                f"--heartbeat-timeout={self.heartbeat_timeout_s:g}: must be longer than the "
+                f"heartbeat interval ({self.heartbeat_interval_s:g} s); fix: give more seconds, "
+                f"e.g. --heartbeat-timeout={settings.HEARTBEAT_TIMEOUT.default:g}"
             )
         check_link_timeout(self.link_timeout_s)
         check_seconds("--scale-up-wait", self.scale_up_wait_s, DEFAULT_SCALE_UP_WAIT_S)

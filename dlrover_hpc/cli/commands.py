@@ -7,6 +7,7 @@ import errno
 import logging
 import os
 import socket
+from pathlib import Path
 
 from dlrover_hpc import jobdir, settings, topology
 from dlrover_hpc.cli import site_config
@@ -203,7 +204,11 @@ def register_report(sub: argparse._SubParsersAction) -> None:
         "job_finished), the time lost per cause, restarts, checkpoint figures and a table "
         "per node.",
     )
-    p.add_argument("--job-dir", default=env_default(settings.JOB_DIR), help="job directory")
+    p.add_argument(
+        "--job-dir",
+        default=env_default(settings.JOB_DIR),
+        help="job directory, or its events.jsonl",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the timeline to FILE.png")
     p.set_defaults(func=_report)
@@ -215,8 +220,12 @@ def _report(args: argparse.Namespace) -> int:
     from dlrover_hpc.cli.status import find_job_dir
     from dlrover_hpc.report.analysis import analyze, read_events
 
-    job_dir = find_job_dir(args.job_dir)
-    report = analyze(read_events(jobdir.events_path(job_dir)))
+    given = args.job_dir and Path(args.job_dir)
+    if given and given.is_file():  # the log itself: report it where it lies
+        log = given
+    else:
+        log = Path(jobdir.events_path(find_job_dir(args.job_dir)))
+    report = analyze(read_events(log))
     if args.plot:
         from dlrover_hpc.report.plot import plot
 

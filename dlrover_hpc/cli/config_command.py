@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 
 from dlrover_hpc import settings
-from dlrover_hpc.cli import run_args
+from dlrover_hpc.cli import commands, run_args
+from dlrover_hpc.cli.parser import Parser
 from dlrover_hpc.cli.run_args import section_parser, section_parsers
 from dlrover_hpc.cli.site_config import (
     COMMANDS,
@@ -16,10 +18,11 @@ from dlrover_hpc.cli.site_config import (
     ConfigFiles,
     Layer,
     Origin,
+    attribute,
     load,
     settings_of,
 )
-from dlrover_hpc.errors import UsageError
+from dlrover_hpc.errors import ConfigError, UsageError
 
 PRECEDENCE = f"flag > env {settings.PREFIX}<FLAG> > config > user > site > default"
 
@@ -65,8 +68,54 @@ def register(sub: argparse._SubParsersAction) -> None:
     get.set_defaults(func=_get)
 
 
+def check(section: str, files: ConfigFiles) -> None:
+    """The checks its command runs on the merged values (``max_restarts = -3``, ``nnodes =
+    "4:2"``): a ConfigError naming FILE:LINE or the variable, as the command would.
+
+    A check that names two flags (``--node-unit=2`` larger than ``--nnodes``) is about how
+    values combine, which the command line may settle (a site's ``node_unit = 8`` and a job's
+    ``--nnodes=16``): those flags are set back to their built-in defaults and the rest checked.
+    """
+    parser = section_parser(section, files)
+    if isinstance(parser, Parser):
+        parser.raise_errors = True
+    args = parser.parse_args(["train.py"] if section == "run" else [])
+    actions = settings_of(parser)
+    for _ in range(len(actions)):
+        try:
+            _build(section, args)
+            return
+        except ConfigError as exc:
+            named = {f.replace("-", "_") for f in re.findall(r"--([a-z][a-z0-9-]*)", str(exc))}
+            if len(named) < 2 or not named <= set(actions):
+                raise
+            for key in named:
+                setattr(args, key, _builtin(section, actions[key]))
+
+
+def _build(section: str, args: argparse.Namespace) -> None:
+    if section != "run":
+        commands.master_config(args)  # names the file and line itself
+        return
+    try:
+        run_args.config_from_args(args)
+    except ConfigError as exc:
+        raise ConfigError(attribute(str(exc), args)) from None
+
+
+def _builtin(section: str, action: argparse.Action) -> object:
+    """The flag's built-in default, as its parser would have made it."""
+    setting = next(
+        s for s in settings.BY_COMMAND[settings.Command(section)] if s.key == action.dest
+    )
+    text = setting.text
+    return action.type(text) if isinstance(text, str) and callable(action.type) else text
+
+
 def _show(args: argparse.Namespace) -> int:
     files = load(args.config, section_parsers())
+    for section in [args.section] if args.section else list(COMMANDS):
+        check(section, files)
     print("files, lowest precedence first:")
     for line in describe_files(files):
         print(f"  {line}")
@@ -113,9 +162,17 @@ def _get(args: argparse.Namespace) -> int:
     cut = words.index("--") if "--" in words else len(words)
     keys = [_check_key(word) for word in words[:cut]]
     if not keys:
-        raise UsageError("config get: name at least one SECTION.KEY, e.g. run.max_restarts")
+        raise UsageError("name at least one SECTION.KEY, e.g. run.max_restarts")
     run = run_args.parse_args(words[cut + 1 :], config=args.config) if cut < len(words) else None
     files = load((run.config if run else None) or args.config, section_parsers())
+    for section in dict.fromkeys(section for section, _ in keys):
+        if section == "run" and run is not None:
+            try:
+                run_args.config_from_args(run)
+            except ConfigError as exc:
+                raise ConfigError(attribute(str(exc), run)) from None
+        else:
+            check(section, files)
     origins = {s: section_parser(s, files).get_default("origins") for s in COMMANDS}
     for section, key in keys:
         if key == "config":
@@ -132,7 +189,7 @@ def _check_key(word: str) -> tuple[str, str]:
     section, dot, key = word.partition(".")
     if not dot or section not in COMMANDS:
         raise UsageError(
-            f"config get: {word}: expected SECTION.KEY, SECTION one of "
+            f"{word}: expected SECTION.KEY, SECTION one of "
             f"{', '.join(COMMANDS)} (e.g. run.max_restarts)"
         )
     keys = [*settings_of(section_parser(section)), "config"]
@@ -143,5 +200,5 @@ def _check_key(word: str) -> tuple[str, str]:
             if close
             else f"see 'dlrover-hpc config show {section}'"
         )
-        raise UsageError(f"config get: {word}: {COMMANDS[section]} has no such flag; {fix}")
+        raise UsageError(f"{word}: {COMMANDS[section]} has no such flag; fix: {fix}")
     return section, key

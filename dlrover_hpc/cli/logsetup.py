@@ -25,34 +25,68 @@ class _ContextFilter(logging.Filter):
         return True
 
 
-def exit_code_of(prog: str, command: Callable[[], int]) -> int:
+#: The exit status of a command whose reader went away (``| head``): 128 + SIGPIPE, as a
+#: command killed by the signal reports it in a shell.
+BROKEN_PIPE = 141
+
+
+def exit_code_of(prog: str | Callable[[], str], command: Callable[[], int]) -> int:
     """Run ``command``; bad usage or input exits 2, our other errors 1, Ctrl-C 130.
 
-    Our errors are one line on stderr.  So is an OSError about a named file (missing, not
-    permitted, a directory): a path of the user's or the system's, not a bug; its traceback is
-    logged at DEBUG.  Anything else is a bug and keeps its traceback.
+    Our errors are one line on stderr, ``PROG: error: ...`` (``prog``: the command's name, or
+    a function that names it once it is known: ``dlrover-hpc master``), as the parsers print
+    theirs.  So is an OSError about a named file (missing, not permitted, a directory): a path
+    of the user's or the system's, not a bug; its traceback is logged at DEBUG.  Anything else
+    is a bug and keeps its traceback.
     """
+
+    def name() -> str:
+        return prog if isinstance(prog, str) else prog()
+
     try:
         return int(command())
     except UsageError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        print(f"{name()}: error: {exc}", file=sys.stderr)
         return 2
     except DlroverHpcError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
+        print(f"{name()}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        raise  # quiet_pipe's
     except OSError as exc:
         if exc.filename is None or not exc.strerror:
             raise
         log.debug("command failed on a file", exc_info=True)
-        name = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+        what = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
         print(
-            f"{prog}: error: {name}: {exc.strerror.lower()}; check the path and its "
+            f"{name()}: error: {what}: {exc.strerror.lower()}; check the path and its "
             f"permissions ({environ.LOG_LEVEL}=DEBUG shows where it failed)",
             file=sys.stderr,
         )
         return 1
+
+
+def quiet_pipe(main: Callable[[], int]) -> int:
+    """Run an entry point; when its reader goes away (``dlrover-hpc status --json | head -c1``)
+    it ends quietly with :data:`BROKEN_PIPE`, no traceback.  Standard output is pointed at
+    /dev/null, so that the interpreter's last flush at exit cannot fail again."""
+    try:
+        try:
+            code = main()
+        except SystemExit:  # --help, a usage error: its output is flushed here too
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # no file descriptor (a test's captured output)
+            pass
+        return BROKEN_PIPE
 
 
 def setup_logging(role: str, *, level: str | None = None) -> None:

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from dlrover_hpc import environ
-from dlrover_hpc.cli.logsetup import exit_code_of, setup_logging
+from dlrover_hpc.cli.logsetup import exit_code_of, quiet_pipe, setup_logging
 from dlrover_hpc.cli.run_args import parse_with_notices
 from dlrover_hpc.config import RunConfig
 from dlrover_hpc.errors import DlroverHpcError
@@ -39,18 +39,18 @@ def _run_agent(config: RunConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    config, notices = parse_with_notices(args)
-    # The same interpreter and flags: the master relaunches this agent with it (srun -w NODE).
-    launch = (sys.executable, "-m", "dlrover_hpc.cli.run", *args)
-    config = dataclasses.replace(config, launch_argv=launch)
 
     def command() -> int:
+        config, notices = parse_with_notices(args)
+        # The same interpreter and flags: the master relaunches this agent with it (srun -w NODE).
+        launch = (sys.executable, "-m", "dlrover_hpc.cli.run", *args)
+        config = dataclasses.replace(config, launch_argv=launch)
         setup_logging("agent")
         for notice in notices:  # once, at start: torchrun's flags that do nothing here
             log.warning(notice)
         return _run_agent(config)
 
-    return exit_code_of("dlrover-run", command)
+    return quiet_pipe(lambda: exit_code_of("dlrover-run", command))
 
 
 if __name__ == "__main__":

@@ -169,13 +169,12 @@ class Defaults:
 
     def switch(self, setting: Setting[bool]) -> bool:
         """A switch (``key = true``); the environment turns it on with 1/true/yes/on, or off
-        with 0/false/no/off when it is on by default."""
+        with 0/false/no/off; any other value is a ConfigError naming the variable."""
         key, name, builtin = setting.key, setting.env, setting.default
         entry = self.files.entry(self.section, key)
         text = self.env.get(name, "").strip().lower()
         if text:
-            on = text in _TRUE if not builtin else text not in _FALSE
-            origin = Origin(value=on, source=Source.ENV, env=name)
+            origin = Origin(value=env_switch(name, text), source=Source.ENV, env=name)
         elif entry is not None:
             origin = Origin(value=bool(entry.value), source=Source.FILE, env=name, entry=entry)
         else:
@@ -218,6 +217,20 @@ class Defaults:
 
 
 _TYPES: dict[Kind, type] = {Kind.INT: int, Kind.FLOAT: float}
+
+
+def env_switch(name: str, value: str) -> bool:
+    """A switch's variable, as strict as a file's ``key = true``: 1/true/yes/on or
+    0/false/no/off (any case); anything else is a ConfigError naming the variable."""
+    text = value.strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(
+        f"{name}={value}: expected a switch: {'/'.join(_TRUE)} or {'/'.join(_FALSE)}; fix: "
+        f"export {name}=1 (or 0), or unset it"
+    )
 
 
 def config_values(args: argparse.Namespace, command: settings.Command) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 
 from dlrover_hpc.errors import ReportError
+from dlrover_hpc.report import fields
 from dlrover_hpc.report import lanes as _lanes
 from dlrover_hpc.report.model import Cause, Marker, NodeSummary, Report, Round, Stats
 
@@ -365,19 +366,28 @@ def read_events(path: str | Path) -> Iterable[dict[str, Any]]:
             f"{path} does not exist; pass --job-dir with a job's directory "
             "(SUBMIT_DIR/.dlrover-hpc/JOB_ID)"
         ) from None
+    except IsADirectoryError:
+        raise ReportError(
+            f"{path} is a directory, not an event log; pass --job-dir with the job's directory "
+            "(SUBMIT_DIR/.dlrover-hpc/JOB_ID) or its events.jsonl"
+        ) from None
     events: list[dict[str, Any]] = []
     bad: list[tuple[int, str]] = []
     with collector_paused():
-        _parse(lines, events, bad)
+        wrong = _parse(lines, events, bad)
     sealed = {
         e.get("line") for e in events if e["event"] == "log_repaired" and e.get("file") == path.name
     }
     for number, why in bad:
+        if wrong is not None and wrong[0] < number:
+            break
         if number not in sealed:
             raise ReportError(
-                f"{path}, line {number}: not an event ({why}); every line must be a JSON object "
-                "with 'time' and 'event' — restore the file or remove the line"
+                f"{path}:{number}: not an event ({why}); fix: every line must be a JSON object "
+                "with 'time' and 'event': restore the file or remove the line"
             )
+    if wrong is not None:
+        raise ReportError(f"{path}:{wrong[0]}: {wrong[1]}")
     return events
 
 
@@ -395,7 +405,11 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _parse(lines: list[bytes], events: list[dict[str, Any]], bad: list[tuple[int, str]]) -> None:
+def _parse(
+    lines: list[bytes], events: list[dict[str, Any]], bad: list[tuple[int, str]]
+) -> tuple[int, str] | None:
+    """Fill ``events`` and ``bad`` (lines that are not JSON objects); return the first line
+    whose fields have the wrong types (:mod:`.fields`), with what is wrong."""
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -411,7 +425,11 @@ def _parse(lines: list[bytes], events: list[dict[str, Any]], bad: list[tuple[int
             if number < len(lines):  # the last line may be torn: its writer died mid-line
                 bad.append((number, str(exc)))
             continue
+        wrong = fields.problem(event)
+        if wrong is not None:
+            return number, wrong
         events.append(event)
+    return None
 
 
 def analyze(events: Iterable[dict[str, Any]], now: float | None = None) -> Report:

@@ -365,7 +365,11 @@ def test_master_bad_topology_fails_before_making_the_job_dir(tmp_path: Path) -> 
         ),
         ([], {"DLROVER_HPC_DRAIN": "bogus"}, ["--drain=bogus: expected one of scontrol"]),
         (["--nnodes=3:1"], {}, ["--nnodes=3:1: the minimum is larger than the maximum"]),
-        (["--heartbeat-timeout=1"], {}, ["must be shorter than the heartbeat timeout 1.0 s"]),
+        (
+            ["--heartbeat-timeout=1"],
+            {},
+            ["--heartbeat-timeout=1: must be longer than the heartbeat interval (2 s)"],
+        ),
         (["--host=no-such-host.invalid"], {}, ["--host=no-such-host.invalid: cannot resolve"]),
         (["--host=192.0.2.1"], {}, ["192.0.2.1 is not an address of this node"]),
     ],
@@ -473,7 +477,8 @@ def test_dlrover_run_master_nobody_listens(tmp_path: Path) -> None:
     # BrokenPipeError of its own when the agent exits while it starts.
     assert "ConnectionRefusedError" not in proc.stderr, proc.stderr
     assert (
-        f"dlrover-run: cannot reach the job master: Connect call failed ('127.0.0.1', {port}) "
+        "dlrover-run: error: cannot reach the job master: Connect call failed "
+        f"('127.0.0.1', {port}) "
         "(connection refused); start the job master first ('dlrover-hpc master'"
     ) in proc.stderr, proc.stderr
 

@@ -64,7 +64,7 @@ def test_report_errors_name_the_file_and_the_fix(tmp_path: Path) -> None:
     one_line_error(
         run("dlrover-hpc", "report", "--job-dir", str(job), cwd=tmp_path),
         2,
-        f"{events}, line 2: not an event",
+        f"{events}:2: not an event",
         "remove the line",
     )
     events.write_text("\n".join(lines) + "\n")

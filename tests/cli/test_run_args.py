@@ -134,7 +134,7 @@ def test_bad_flags_message_and_exit_code_in_a_real_process() -> None:
     assert "dlrover-run: error: --nnodes=4:2: the minimum is larger than the maximum" in out.stderr
     out = _run("main", "master", "--nnodes=3:1")
     assert out.returncode == 2
-    assert "dlrover-hpc: error: --nnodes=3:1" in out.stderr
+    assert "dlrover-hpc master: error: --nnodes=3:1" in out.stderr
 
 
 @pytest.fixture

@@ -296,7 +296,7 @@ def test_a_mistake_names_the_file_line_and_fix(
         assert err.count("\n") == 1, err
     # dlrover-hpc finds it too (both sections of every file are checked by every command)
     assert main.main(["config", "show"]) == 2
-    assert capsys.readouterr().err.startswith(f"dlrover-hpc: error: {expected}")
+    assert capsys.readouterr().err.startswith(f"dlrover-hpc config show: error: {expected}")
 
 
 def test_every_layer_is_checked_before_any_is_used(
@@ -309,7 +309,7 @@ def test_every_layer_is_checked_before_any_is_used(
     files.config.write_text("[master]\nmax_restarts = 3\n")
     assert main.main(["master", "--config", str(files.config), "--max-restarts=5"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"dlrover-hpc: error: {files.site}:2: [master] max_restarts = ")
+    assert err.startswith(f"dlrover-hpc master: error: {files.site}:2: [master] max_restarts = ")
 
 
 def test_values_that_do_not_combine_name_their_file_line_or_variable(
@@ -327,7 +327,7 @@ def test_values_that_do_not_combine_name_their_file_line_or_variable(
     assert run_args.parse(["--nnodes=2:4", "train.py"]).nnodes.max == 4  # the flag wins
     assert main.main(["master", "--job-dir=job"]) == 2
     assert capsys.readouterr().err.startswith(
-        f'dlrover-hpc: error: {files.user}:5: [master] nnodes = "3:1": --nnodes=3:1: '
+        f'dlrover-hpc master: error: {files.user}:5: [master] nnodes = "3:1": --nnodes=3:1: '
     )
     files.user.write_text("[run]\nnode_unit = 2\n")
     with pytest.raises(SystemExit):
@@ -362,7 +362,7 @@ def test_missing_and_unreadable_files(
     monkeypatch.setenv("DLROVER_HPC_CONFIG", str(missing))
     assert main.main(["master"]) == 2
     assert capsys.readouterr().err == (
-        f"dlrover-hpc: error: {missing}: no such configuration file (named by "
+        f"dlrover-hpc master: error: {missing}: no such configuration file (named by "
         "DLROVER_HPC_CONFIG); fix: check the path, or drop DLROVER_HPC_CONFIG\n"
     )
     monkeypatch.delenv("DLROVER_HPC_CONFIG")
@@ -374,8 +374,8 @@ def test_missing_and_unreadable_files(
     files.user.mkdir(parents=True, exist_ok=True)
     assert main.main(["config", "show"]) == 2
     assert capsys.readouterr().err == (
-        f"dlrover-hpc: error: {files.user}: cannot read this user configuration file (Is a "
-        "directory); fix: make it readable (chmod u+r), or remove it\n"
+        f"dlrover-hpc config show: error: {files.user}: cannot read this user configuration "
+        "file (Is a directory); fix: make it readable (chmod u+r), or remove it\n"
     )
 
 
@@ -447,7 +447,8 @@ def test_config_show_as_a_user_runs_it(files: Files) -> None:
             env=files.env(),
         ),
         2,
-        f"dlrover-hpc: error: {files.config}:3: not valid TOML: Cannot overwrite a value",
+        f"dlrover-hpc config show: error: {files.config}:3: not valid TOML: Cannot overwrite a "
+        "value",
     )
 
 
@@ -464,8 +465,8 @@ def test_config_get(files: Files, capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == f"2:8\n9\n{files.config}\n"
     assert main.main(["config", "get", "run.max_restart"]) == 2
     assert capsys.readouterr().err == (
-        "dlrover-hpc: error: config get: run.max_restart: dlrover-run has no such flag; did "
-        "you mean run.max_restarts?\n"
+        "dlrover-hpc config get: error: run.max_restart: dlrover-run has no such flag; fix: "
+        "did you mean run.max_restarts?\n"
     )
     assert main.main(["config", "get", "max_restarts"]) == 2
     assert "expected SECTION.KEY" in capsys.readouterr().err

@@ -164,7 +164,7 @@ def test_read_events_names_the_bad_line_and_skips_a_torn_last_one(tmp_path: Path
     path.write_text(f"{good}\n{good[:20]}\n")
     assert len(list(read_events(path))) == 1  # a writer died mid-line
     path.write_text(f"{good}\nnot json\n{good}\n")
-    with pytest.raises(ReportError, match=r"events.jsonl, line 2: not an event"):
+    with pytest.raises(ReportError, match=r"events.jsonl:2: not an event"):
         list(read_events(path))
     with pytest.raises(ReportError, match="does not exist; pass --job-dir"):
         list(read_events(tmp_path / "nope.jsonl"))
