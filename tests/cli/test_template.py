@@ -109,6 +109,6 @@ def test_template_to_an_unwritable_path_is_one_line(tmp_path: Path) -> None:
     proc = run("dlrover-hpc", "template", "train", "-o", str(tmp_path / "no" / "train.py"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        f"dlrover-hpc: error: -o {tmp_path / 'no' / 'train.py'}: cannot write it "
+        f"dlrover-hpc template train: error: -o {tmp_path / 'no' / 'train.py'}: cannot write it "
         "(No such file or directory); pick another path"
     ]
