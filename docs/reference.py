@@ -29,6 +29,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from dlrover_hpc import environ, errors, settings  # noqa: E402
+from dlrover_hpc.cli import parity  # noqa: E402
 from dlrover_hpc.settings import Command, Kind, Setting  # noqa: E402
 
 PAGES = REPO / "docs" / "reference"
@@ -289,6 +290,7 @@ GENERATORS: dict[str, tuple[str, Callable[[], str]]] = {
     "environment": ("environment.md", environment_page),
     "events": ("events.md", events_page),
     "exit-codes": ("exit-codes.md", exit_codes_page),
+    "torchrun": ("torchrun.md", lambda: "\n" + parity.table()),
 }
 
 

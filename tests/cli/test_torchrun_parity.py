@@ -5,6 +5,7 @@ the flag is declared in dlrover_hpc/settings.py with how dlrover-run treats it."
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -17,6 +18,8 @@ from dlrover_hpc.agent.workers import virtual_local_rank_env
 from dlrover_hpc.cli import parity, run, run_args, site_config
 from dlrover_hpc.errors import ConfigError
 from dlrover_hpc.settings import Command, Setting, Treatment
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -205,8 +208,16 @@ def test_virtual_local_rank_reaches_the_config(clean_env: None) -> None:
 
 
 def test_docs_page_is_current() -> None:
-    page = parity.PAGE.read_text()
-    assert parity.render(page) == page, "run: python -m dlrover_hpc.cli.parity --write"
+    spec = importlib.util.spec_from_file_location("reference", REPO / "docs" / "reference.py")
+    assert spec is not None and spec.loader is not None
+    reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference)
+    path = REPO / "docs" / "reference" / "torchrun.md"
+    page = path.read_text()
+    _, make = reference.GENERATORS["torchrun"]
+    assert reference.with_generated(page, "torchrun", make()) == page, (
+        "run: python docs/reference.py --write"
+    )
 
 
 def test_table_has_a_row_per_torchrun_flag(torchrun: argparse.ArgumentParser) -> None:
