@@ -11,8 +11,21 @@ import dataclasses
 import math
 import os
 from enum import Enum
+from typing import TypeVar
 
 from dlrover_hpc.errors import ConfigError
+
+E = TypeVar("E", bound=Enum)
+
+
+def _choice(kind: type[E], text: str, flag: str) -> E:
+    """The member of ``kind`` whose value ``text`` is; a ConfigError names ``flag`` and the
+    choices."""
+    try:
+        return kind(text)
+    except ValueError:
+        choices = ", ".join(str(member.value) for member in kind)
+        raise ConfigError(f"{flag}={text}: expected one of {choices}") from None
 
 
 class RequeueBy(Enum):
@@ -28,11 +41,7 @@ class RequeueBy(Enum):
     @classmethod
     def parse(cls, text: str) -> RequeueBy:
         """``--requeue-by``'s value (a default from the environment skips argparse's check)."""
-        try:
-            return cls(text)
-        except ValueError:
-            choices = ", ".join(by.value for by in cls)
-            raise ConfigError(f"--requeue-by={text}: expected one of {choices}") from None
+        return _choice(cls, text, "--requeue-by")
 
 
 class DrainMode(Enum):
@@ -43,11 +52,7 @@ class DrainMode(Enum):
     @classmethod
     def parse(cls, text: str) -> DrainMode:
         """``--drain``'s value (a default from the environment skips argparse's check)."""
-        try:
-            return cls(text)
-        except ValueError:
-            choices = ", ".join(mode.value for mode in cls)
-            raise ConfigError(f"--drain={text}: expected one of {choices}") from None
+        return _choice(cls, text, "--drain")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
