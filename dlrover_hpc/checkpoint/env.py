@@ -13,11 +13,8 @@ from dlrover_hpc import environ
 from dlrover_hpc.errors import CheckpointError
 from dlrover_hpc.jobdir import user_name
 
-#: Environment variables set by the agent (dlrover-run) for its workers.
+#: The agent's saver socket (the rest of what the agent sets is read through environ.WorkerEnv).
 ENV_SAVER_SOCKET = environ.SAVER_SOCKET
-ENV_JOB_ID = environ.JOB_ID
-ENV_JOB_DIR = environ.JOB_DIR
-ENV_NODE_NAME = environ.NODE_NAME
 #: Where segments live; `/dev/shm` unless set (e.g. a private `huge=always` tmpfs).
 ENV_SHM_DIR = environ.SHM_DIR
 DEFAULT_SHM_DIR = "/dev/shm"
@@ -101,9 +98,10 @@ class WorkerEnv:
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> WorkerEnv:
         env = os.environ if env is None else env
+        agent = environ.WorkerEnv.from_environ(env)  # what dlrover-run told the worker
         world = _int(env, "WORLD_SIZE", 1)
-        job = env.get(ENV_JOB_ID) or env.get("SLURM_JOB_ID") or f"standalone-{os.getppid()}"
-        node = env.get(ENV_NODE_NAME) or env.get("SLURMD_NODENAME") or socket.gethostname()
+        job = agent.job_id or env.get("SLURM_JOB_ID") or f"standalone-{os.getppid()}"
+        node = agent.node_name or env.get("SLURMD_NODENAME") or socket.gethostname()
         return cls(
             rank=_int(env, "RANK", 0),
             local_rank=_int(env, "LOCAL_RANK", 0),
@@ -113,8 +111,8 @@ class WorkerEnv:
             job_id=job,
             node_name=node.split(".")[0],
             user=current_user(),
-            saver_socket=env.get(ENV_SAVER_SOCKET) or None,
-            job_dir=env.get(ENV_JOB_DIR) or None,
+            saver_socket=agent.saver_socket,
+            job_dir=agent.job_dir,
             shm_dir=env.get(ENV_SHM_DIR) or DEFAULT_SHM_DIR,
             run_id=env.get("TORCHELASTIC_RUN_ID", ""),
             restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
