@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -24,9 +24,12 @@ from dlrover_hpc import environ
 from dlrover_hpc.config import MasterConfig
 from dlrover_hpc.master.continuation import Continuer
 from dlrover_hpc.master.journal import EventLog
+from dlrover_hpc.master.node_states import POLL_TIMEOUT_S, ReadStates
 from dlrover_hpc.master.policy import NodeRemover
 from dlrover_hpc.master.relaunch import SrunLauncher
 from dlrover_hpc.master.replace import Replacer
+from dlrover_hpc.slurm import commands as slurm
+from dlrover_hpc.slurm.parse import SlurmNode
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,6 +63,11 @@ class Cluster(Protocol):
     def continuer(self, site: Site) -> Continuer | None:
         """Continues the job at its time limit (requeue, or a new job); None: the workers'
         framework does (``--requeue-by=framework``), or nothing can."""
+        ...
+
+    def node_states(self, site: Site) -> ReadStates | None:
+        """Reads the resource manager's state of the given nodes, in one call for them all
+        (:mod:`dlrover_hpc.master.node_states`); None: there is none to ask."""
         ...
 
 
@@ -102,6 +110,14 @@ class SlurmCluster:
             script=self.script,
         )
 
+    def node_states(self, site: Site) -> ReadStates | None:
+        return _show_nodes
+
+
+def _show_nodes(nodes: Sequence[str]) -> Mapping[str, SlurmNode]:
+    """One ``scontrol -o show node HOSTLIST`` for every node of the job."""
+    return slurm.show_nodes(nodes, timeout_s=POLL_TIMEOUT_S)
+
 
 class NoCluster:
     """No resource manager (a master outside Slurm, ``--standalone`` on a workstation): nodes
@@ -117,6 +133,9 @@ class NoCluster:
         return None
 
     def continuer(self, site: Site) -> Continuer | None:
+        return None
+
+    def node_states(self, site: Site) -> ReadStates | None:
         return None
 
 
