@@ -81,8 +81,9 @@ def slurm_state(node: SlurmNode) -> str:
 
 def own_drain(reason: str, job_id: str) -> bool:
     """The reason is the one this job's master gives its own drains (``dlrover-hpc: ... job
-    J``, :class:`dlrover_hpc.master.policy.NodeRemover`)."""
-    return reason.startswith("dlrover-hpc:") and f" job {job_id}" in reason
+    J``, :class:`dlrover_hpc.master.policy.NodeRemover`), with Slurm's ``[user@time]``."""
+    text = reason.rsplit(" [", 1)[0] if reason.endswith("]") else reason  # Slurm's stamp
+    return text.startswith("dlrover-hpc:") and text.endswith(f" job {job_id}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
