@@ -210,22 +210,34 @@ class NodeStateWatch:
             task.add_done_callback(tasks.discard)
 
     async def _poll(self, nodes: list[str]) -> None:
+        """One look (a task of its own: the command's thread never holds up the loop)."""
         began = time.perf_counter()
         try:
             states = await asyncio.to_thread(self._read, nodes)
         except SlurmError as exc:
-            self.failures += 1
-            wait = min(POLL_BACKOFF_MAX_S, POLL_EVERY_S * 2**self.failures)
-            self._next_poll = self.job.clock() + wait
-            say = log.warning if self.failures == 1 else log.debug
-            say("cannot read the job's node states (next look in %.0f s): %s", wait, exc)
+            self._failed(str(exc))
+            return
+        except Exception as exc:  # the task's boundary: the watch goes on, said once
+            log.exception("reading the job's node states failed")
+            self._failed(repr(exc))
             return
         finally:
             self._polling = False
         self.poll_s = [*self.poll_s[-15:], time.perf_counter() - began]
         self.failures = 0
         self._next_poll = self.job.clock() + POLL_EVERY_S
-        self.seen(states, nodes)
+        try:
+            self.seen(states, nodes)
+        except Exception:  # a bug in a decision must not end the watch (nor the loop)
+            log.exception("acting on the job's node states failed")
+
+    def _failed(self, error: str) -> None:
+        """A look failed: the next one waits twice as long each time (at most 60 s)."""
+        self.failures += 1
+        wait = min(POLL_BACKOFF_MAX_S, POLL_EVERY_S * 2**self.failures)
+        self._next_poll = self.job.clock() + wait
+        say = log.warning if self.failures == 1 else log.debug
+        say("cannot read the job's node states (next look in %.0f s): %s", wait, error)
 
     def seen(self, states: Mapping[str, SlurmNode], nodes: Sequence[str]) -> None:
         """Act on one look at the nodes' states."""
@@ -233,9 +245,11 @@ class NodeStateWatch:
         if job.ended:
             return
         for change in changes(states, nodes=nodes, said=self.said, job_id=job.config.job_id):
-            self.said[change.node] = change.verdict
             records = list(job.nodes.values())
             actions = respond(change, records, phase=job.phase, round=job.round)
+            if not actions:
+                continue  # its agents left meanwhile (lost, done): nothing to act on
+            self.said[change.node] = change.verdict
             swap = [a for a in actions if isinstance(a, SwapAtSave)]
             if change.verdict is Verdict.LOST:
                 self.pending.pop(change.node, None)

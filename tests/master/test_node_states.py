@@ -508,3 +508,39 @@ def test_only_a_job_under_slurm_watches_its_nodes_states(
     assert (master.node_states is not None) is watched
     if watched:  # chained after the straggler swap's hook
         assert master.job.on_round_opening is not master.hangs.round_opening
+
+
+def test_an_unexpected_error_reading_states_is_logged_and_the_watch_goes_on(
+    tmp_path: Path,
+) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3")
+        agents = h.start("node1", "node3")
+
+        def broken(nodes: Sequence[str]) -> Mapping[str, SlurmNode]:
+            raise OSError("fork failed: Resource temporarily unavailable")
+
+        watch = NodeStateWatch(h.job, lambda a, msg: None, broken)
+        await watch._poll(["node1", "node3"])
+        assert watch.failures == 1 and not watch._polling
+        watch._read = Reader({"node3": DRAINED["node3"]})
+        await watch._poll(["node1", "node3"])
+        assert watch.failures == 0 and "node3" in watch.pending
+        assert agents
+
+    run(body)
+
+
+def test_a_state_change_of_a_node_whose_agents_left_says_nothing(tmp_path: Path) -> None:
+    """Its agent was lost between the look's start and its answer: nothing to act on, and no
+    event claiming an action."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="1:3")
+        agents = h.start("node1", "node3")
+        watch = NodeStateWatch(h.job, lambda a, msg: None, Reader())
+        h.job.apply([d.MarkLost(agents[1], "no heartbeat")])
+        watch.seen({"node3": DRAINED["node3"]}, ["node1", "node3"])
+        assert not h.events("node_state_changed") and "node3" not in watch.said
+
+    run(body)

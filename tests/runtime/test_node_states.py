@@ -103,6 +103,10 @@ def test_a_node_drained_mid_run_is_swapped_out_losing_no_step(
             held.setdefault(e["step"], set()).add(e["node"])
     newest = max(step for step, nodes in held.items() if nodes >= old)
     restored = [e for e in named(evs, "checkpoint_restored") if e["time"] > second["time"]]
+    print(
+        f"newest step every rank held: {newest}; restored: "
+        f"{sorted((e['node'], e['step'], e['source']) for e in restored)}"
+    )
     assert restored and {e["step"] for e in restored} == {newest}, (newest, restored)
     assert "storage" not in {e["source"] for e in restored}, restored
     report = analyze(evs, timing_log(work))
