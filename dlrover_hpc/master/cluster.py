@@ -4,7 +4,8 @@ The job logic (:mod:`.job`, :mod:`.stopping`) decides *that* a node is taken out
 is replaced, that a lost node's agent is started again or that the job continues before its
 time limit; a :class:`Cluster` says *whether and how* (torch elastic's RendezvousHandler seam:
 one interface the master calls, backends behind it).  Slurm does all of it (``scontrol``,
-``sbatch``, ``srun``, ``squeue``); a bare-metal job (the SSH launcher) or a job outside Slurm
+``sbatch``, ``srun``, ``squeue``) and says what state its nodes are in (the live node states,
+:mod:`.node_states`); a bare-metal job (the SSH launcher) or a job outside Slurm
 only takes a node out (quarantine; ``--drain=scontrol`` is tried and refused there, as before).
 
 The host that runs the master picks the cluster (:func:`from_env` for the master command, an
