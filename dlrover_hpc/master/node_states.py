@@ -13,7 +13,8 @@ slow or failing scontrol only delays the next look, never the master's loop), an
   checkpoint.  It is excluded for good (never admitted again in this job, even once resumed:
   its reason is Slurm's), not drained again, and a spare or a replacement takes its place as
   for a lost node.  On a node that waits (a hot spare, a benched node): excluded at once.
-- DOWN or NOT_RESPONDING: the node's agents are lost at once (``node_lost``).
+- DOWN, or NOT_RESPONDING on two looks in a row: the node's agents are lost at once
+  (``node_lost``).
 - A node the master took out itself (excluded; its own drain's reason names the job) is not
   acted on again.
 
@@ -101,16 +102,27 @@ def watched_nodes(records: Sequence[NodeRecord], excluded: Collection[str]) -> l
     return sorted({n.node for n in records if n.state in WATCHED and n.node not in excluded})
 
 
+def unresponsive(states: Mapping[str, SlurmNode]) -> frozenset[str]:
+    """The nodes Slurm marks NOT_RESPONDING but not (yet) DOWN."""
+    return frozenset(
+        n for n, s in states.items() if "NOT_RESPONDING" in s.flags and s.state != "DOWN"
+    )
+
+
 def changes(
     states: Mapping[str, SlurmNode],
     *,
     nodes: Sequence[str],
     said: Mapping[str, Verdict],
     job_id: str,
+    unresponsive_before: Collection[str] = frozenset(),
 ) -> list[Changed]:
     """The ``nodes`` whose state asks for an action not taken yet: a new verdict, or a
-    drained node gone down since (``said``: the verdict acted on per node).  Linear in the
-    nodes; a node Slurm did not print is left for the next look."""
+    drained node gone down since (``said``: the verdict acted on per node).  NOT_RESPONDING
+    without DOWN counts only when the previous look saw it too (``unresponsive_before``):
+    Slurm sets it for a moment on a node it has just resumed, even one that runs a job
+    (captured here).  Linear in the nodes; a node Slurm did not print is left for the next
+    look."""
     out = []
     for node in nodes:
         found = states.get(node)
@@ -120,6 +132,8 @@ def changes(
         before = said.get(node)
         if v is None or before is v or before is Verdict.LOST or own_drain(found.reason, job_id):
             continue
+        if found.state != "DOWN" and v is Verdict.LOST and node not in unresponsive_before:
+            continue  # a missed ping, or just resumed: DOWN follows if it lasts
         out.append(
             Changed(node=node, slurm_state=slurm_state(found), reason=found.reason, verdict=v)
         )
@@ -189,6 +203,7 @@ class NodeStateWatch:
         self.failures = 0
         self.poll_s: list[float] = []  # the newest looks' durations (status, benchmarks)
         self._next_poll = 0.0
+        self._unresponsive: frozenset[str] = frozenset()  # NOT_RESPONDING at the last look
         self._polling = False
 
     # ------------------------------------------------------------------ the loop
@@ -244,7 +259,15 @@ class NodeStateWatch:
         job = self.job
         if job.ended:
             return
-        for change in changes(states, nodes=nodes, said=self.said, job_id=job.config.job_id):
+        before, self._unresponsive = self._unresponsive, unresponsive(states)
+        found = changes(
+            states,
+            nodes=nodes,
+            said=self.said,
+            job_id=job.config.job_id,
+            unresponsive_before=before,
+        )
+        for change in found:
             records = list(job.nodes.values())
             actions = respond(change, records, phase=job.phase, round=job.round)
             if not actions:

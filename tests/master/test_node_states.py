@@ -5,6 +5,7 @@ through the real Job and its handlers (only the clock is ours)."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -12,11 +13,13 @@ import pytest
 
 from dlrover_hpc.config import MasterConfig
 from dlrover_hpc.errors import SlurmError
+from dlrover_hpc.localslurm import LocalSlurm
 from dlrover_hpc.master import decisions as d
 from dlrover_hpc.master import node_states as ns
 from dlrover_hpc.master.assembly import build_master
-from dlrover_hpc.master.cluster import Cluster, NoCluster, SlurmCluster, SshCluster
+from dlrover_hpc.master.cluster import Cluster, NoCluster, Site, SlurmCluster, SshCluster
 from dlrover_hpc.master.hangs import HangWatch
+from dlrover_hpc.master.journal import EventLog
 from dlrover_hpc.master.node_states import Changed, NodeStateWatch, Verdict
 from dlrover_hpc.master.nodes import NodeRecord, NodeState
 from dlrover_hpc.master.phases import Phase
@@ -131,6 +134,31 @@ def test_changes(
     assert {c.node: c.verdict for c in found} == expected
     for c in found:
         assert c.reason == states[c.node].reason
+
+
+JUST_RESUMED = _shown("show_nodes_just_resumed.txt")  # node4: ALLOCATED+NOT_RESPONDING
+DOWN_NOT_RESPONDING = _shown("show_nodes_down_not_responding.txt")  # node2: DOWN+NOT_RESP.
+
+
+@pytest.mark.parametrize(
+    ("states", "before", "expected"),
+    [
+        # NOT_RESPONDING for one look (just resumed, or a missed ping): wait for the next
+        (JUST_RESUMED, frozenset(), {}),
+        # ... on two looks in a row: lost
+        (JUST_RESUMED, frozenset({"node4"}), {"node4": Verdict.LOST}),
+        # DOWN: lost at the first look
+        (DOWN_NOT_RESPONDING, frozenset(), {"node2": Verdict.LOST, "node3": Verdict.LOST}),
+    ],
+)
+def test_not_responding_counts_on_two_looks_in_a_row(
+    states: Mapping[str, SlurmNode], before: frozenset[str], expected: dict[str, Verdict]
+) -> None:
+    nodes = ["node1", "node2", "node3", "node4"]
+    found = ns.changes(states, nodes=nodes, said={}, job_id="42", unresponsive_before=before)
+    assert {c.node: c.verdict for c in found} == expected
+    assert ns.unresponsive(JUST_RESUMED) == {"node4"}
+    assert ns.unresponsive(DOWN_NOT_RESPONDING) == set()  # down: no longer "not yet down"
 
 
 def test_watched_nodes_are_the_agents_on_their_node_not_excluded() -> None:
@@ -333,6 +361,28 @@ def test_a_down_node_is_lost_at_once(tmp_path: Path) -> None:
         assert h.job.phase is Phase.SHRINKING
         await _look(watch, reader, h)  # lost is not watched any more: nothing again
         assert len(h.events("node_state_changed")) == 1
+
+    run(body)
+
+
+def test_a_node_not_responding_for_two_looks_is_lost_one_look_is_nothing(
+    tmp_path: Path,
+) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="1:3")
+        reader = Reader({**RESUMED, "node4": JUST_RESUMED["node4"]})
+        agents = h.start("node1", "node4")
+        _, watch = _setup(h, tmp_path, reader)
+        await _look(watch, reader, h)
+        reader.states = RESUMED  # it answered again
+        await _look(watch, reader, h)
+        reader.states = {**RESUMED, "node4": JUST_RESUMED["node4"]}
+        await _look(watch, reader, h)
+        assert not h.events("node_state_changed") and h.job.phase is Phase.RUNNING
+        await _look(watch, reader, h)  # still not responding
+        [changed] = h.events("node_state_changed")
+        assert changed["slurm_state"] == "ALLOCATED+NOT_RESPONDING"
+        assert h.job.nodes[agents[1]].state is NodeState.LOST
 
     run(body)
 
@@ -544,3 +594,34 @@ def test_a_state_change_of_a_node_whose_agents_left_says_nothing(tmp_path: Path)
         assert not h.events("node_state_changed") and "node3" not in watch.said
 
     run(body)
+
+
+def test_the_slurm_clusters_reader_on_the_local_slurm(
+    local_slurm: LocalSlurm, tmp_path: Path
+) -> None:
+    """The reader a Slurm job's master polls with, against the real scontrol: one call for
+    the four nodes, a drained one's verdict and reason, and nothing once it is resumed."""
+    site = Site(
+        config=MasterConfig(nnodes=NodeRange.parse("1:4"), job_id="7"),
+        job_dir=tmp_path,
+        events=EventLog(tmp_path / "events.jsonl"),
+    )
+    read = SlurmCluster(job_id="7").node_states(site)
+    assert read is not None
+    nodes = ["node1", "node2", "node3", "node4"]
+    reason = "test: live node states"
+    subprocess.run(
+        ["scontrol", "update", "nodename=node4", "state=drain", f"reason={reason}"],
+        check=True,
+        timeout=30,
+    )
+    try:
+        states = read(nodes)
+        assert sorted(states) == nodes
+        assert ns.verdict(states["node4"]) is Verdict.SWAP
+        assert states["node4"].reason.startswith(f"{reason} [root@")
+        [change] = ns.changes(states, nodes=nodes, said={}, job_id="7")
+        assert change.node == "node4" and "DRAIN" in change.slurm_state
+    finally:
+        subprocess.run(["scontrol", "update", "nodename=node4", "state=resume"], timeout=30)
+    assert ns.changes(read(nodes), nodes=nodes, said={}, job_id="7") == []

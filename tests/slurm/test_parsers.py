@@ -291,6 +291,13 @@ _SHOWN = {
         "node3": ("DOWN", set(), "operator: down [root@2026-12-01T18:59:39]"),
         "node4": ("IDLE", set(), ""),
     },
+    # node4 of a running job drained, then resumed: NOT_RESPONDING for a moment
+    "show_nodes_just_resumed.txt": {
+        "node1": ("IDLE", set(), ""),
+        "node2": ("IDLE", set(), ""),
+        "node3": ("ALLOCATED", set(), ""),
+        "node4": ("ALLOCATED", {"NOT_RESPONDING"}, ""),
+    },
     "show_node_drained.txt": {
         "node3": ("IDLE", {"DRAIN"}, "dlrover-hpc: test job 2 [root@2026-11-21T21:15:55]"),
     },
