@@ -201,7 +201,7 @@ class NodeStateWatch:
         self.said: dict[str, Verdict] = {}
         self.pending: dict[str, Pending] = {}
         self.failures = 0
-        self.poll_s: list[float] = []  # the newest looks' durations (status, benchmarks)
+        self.poll_s: list[float] = []  # the newest 16 looks' seconds (what a look costs)
         self._next_poll = 0.0
         self._unresponsive: frozenset[str] = frozenset()  # NOT_RESPONDING at the last look
         self._polling = False
