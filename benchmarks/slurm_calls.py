@@ -7,6 +7,9 @@ nodes), holds a 2-node job, and times each call the master makes, ``--repeat`` t
 - ``time_left`` (``squeue -o %L``): every 60 s while a job runs (the time-limit watch);
 - ``job_nodes`` + ``node_states`` (``squeue -o %N``, ``sinfo -n``): every second, only while a
   node of the job is lost (the relaunch planner);
+- ``show_nodes`` (``scontrol -o show node HOSTLIST``, every node of the cluster): every 5 s while
+  the job runs (the live node states, issue 48); and its parse at 4,096 nodes (the captured
+  lines, renamed), which runs in the master's process;
 - ``show_job`` (``scontrol show job``): at a stop signal (cancelled or not?) and a continuation;
 - ``show_node``; ``drain_node`` (``scontrol update State=DRAIN``, a node then resumed); ``submit``
   (``sbatch --hold``, then cancelled): once per faulty node or replacement.
@@ -38,6 +41,9 @@ sys.path.insert(0, str(REPO))
 
 from dlrover_hpc.localslurm import LocalSlurm, LocalSlurmConfig  # noqa: E402
 from dlrover_hpc.slurm import commands as slurm  # noqa: E402
+from dlrover_hpc.slurm.parse import parse_show_nodes  # noqa: E402
+
+CAPTURED = REPO / "tests" / "data" / "slurm" / "show_nodes_drained.txt"
 
 
 def _timed(call: Callable[[], object], repeat: int, after: Callable[[], object] | None = None):
@@ -95,6 +101,9 @@ def main() -> None:
             "node_states (sinfo)": lambda: slurm.node_states(nodes),
             "show_job (scontrol)": lambda: slurm.show_job(job),
             "show_node (scontrol)": lambda: slurm.show_node("node3"),
+            "show_nodes (scontrol, 4 nodes)": lambda: slurm.show_nodes(
+                ["node1", "node2", "node3", "node4"]
+            ),
         }
         figures = {name: _timed(call, args.repeat) for name, call in calls.items()}
         figures["drain_node (scontrol update)"] = _timed(
@@ -105,12 +114,24 @@ def main() -> None:
         figures["submit (sbatch --hold)"] = _timed(submit_held, max(args.repeat // 3, 3))
     finally:
         subprocess.run(["scancel", job, *held], check=False, timeout=30)
+    lines = CAPTURED.read_text().splitlines()
+    big = "\n".join(
+        lines[i % len(lines)].replace(f"node{i % len(lines) + 1} ", f"node{i + 1} ", 1)
+        for i in range(4096)
+    )
+    parsed = len(parse_show_nodes(big))
+    figures["parse_show_nodes (4,096 nodes, in the master)"] = {
+        **_timed(lambda: parse_show_nodes(big), args.repeat),
+        "bytes": len(big),
+        "nodes": parsed,
+    }
     base = figures["baseline_fork_true"]["median_ms"]
     for fig in figures.values():
         fig["x_baseline"] = round(fig["median_ms"] / base, 1) if base else None
     polled = {
         "time_left (squeue %L)": "every 60 s while the job runs",
         "job_nodes + node_states": "every 1 s while a node of the job is lost",
+        "show_nodes": "every 5 s while the job runs",
     }
     print(
         json.dumps(

@@ -39,6 +39,9 @@ class EventName(StrEnum):
     NETCHECK_RESULT = "netcheck_result"  # a network-check round (faulty, stragglers, timings)
     NODE_DRAINED = "node_drained"  # scontrol drained a faulty node
     NODE_QUARANTINED = "node_quarantined"  # a faulty node kept out of this job (no drain)
+    #: Slurm set a node of the job DRAIN, FAIL or DOWN while it trained or waited (node,
+    #: slurm_state, reason, action: out at the next step every rank holds in memory, or lost)
+    NODE_STATE_CHANGED = "node_state_changed"
     REPLACEMENT_REQUESTED = "replacement_requested"  # a replacement job submitted
     REPLACEMENT_FAILED = "replacement_failed"  # Slurm refused it (reason, next action)
     JOB_REQUEUED = "job_requeued"  # below MIN nodes too long: scontrol requeue

@@ -33,6 +33,7 @@ from dlrover_hpc.master.handlers import AgentHandlers
 from dlrover_hpc.master.hangs import HangWatch
 from dlrover_hpc.master.job import Job
 from dlrover_hpc.master.journal import EventLog, Journal, TornLine, seal_torn_line
+from dlrover_hpc.master.node_states import NodeStateWatch
 from dlrover_hpc.master.policy import NodeRemover
 from dlrover_hpc.master.relaunch import Relauncher
 from dlrover_hpc.master.replace import Replacer
@@ -97,6 +98,17 @@ def _load_topology(path: str | None) -> Any:
     return topo.load(path)
 
 
+def _both(first: Callable[[], None] | None, watch: NodeStateWatch) -> Callable[[], None]:
+    """A re-opening round's hooks: the straggler swap's, then the drained nodes'."""
+
+    def opening() -> None:
+        if first is not None:
+            first()
+        watch.round_opening()
+
+    return opening
+
+
 class Master:
     """The job master's parts, wired together (build it with :func:`build_master`)."""
 
@@ -134,6 +146,12 @@ class Master:
         self.hangs = HangWatch(self.job, self.push, job_dir)
         self.datasets = Datasets(job_dir)  # dlrover_hpc.data's shards, replayed from the file
         self.agents = AgentHandlers(self.job, self.hangs)
+        #: Slurm's state of the job's nodes, watched while it runs (None outside Slurm)
+        self.node_states: NodeStateWatch | None = None
+        read_states = cluster.node_states(site)
+        if read_states is not None:
+            self.node_states = NodeStateWatch(self.job, self.push, read_states)
+            self.job.on_round_opening = _both(self.job.on_round_opening, self.node_states)
         self.stopper = stopping.GracefulStop(
             self.job,
             self.agents.steps,

@@ -4,7 +4,8 @@ The job logic (:mod:`.job`, :mod:`.stopping`) decides *that* a node is taken out
 is replaced, that a lost node's agent is started again or that the job continues before its
 time limit; a :class:`Cluster` says *whether and how* (torch elastic's RendezvousHandler seam:
 one interface the master calls, backends behind it).  Slurm does all of it (``scontrol``,
-``sbatch``, ``srun``, ``squeue``); a bare-metal job (the SSH launcher) or a job outside Slurm
+``sbatch``, ``srun``, ``squeue``) and says what state its nodes are in (the live node states,
+:mod:`.node_states`); a bare-metal job (the SSH launcher) or a job outside Slurm
 only takes a node out (quarantine; ``--drain=scontrol`` is tried and refused there, as before).
 
 The host that runs the master picks the cluster (:func:`from_env` for the master command, an
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -24,9 +25,12 @@ from dlrover_hpc import environ
 from dlrover_hpc.config import MasterConfig
 from dlrover_hpc.master.continuation import Continuer
 from dlrover_hpc.master.journal import EventLog
+from dlrover_hpc.master.node_states import POLL_TIMEOUT_S, ReadStates
 from dlrover_hpc.master.policy import NodeRemover
 from dlrover_hpc.master.relaunch import SrunLauncher
 from dlrover_hpc.master.replace import Replacer
+from dlrover_hpc.slurm import commands as slurm
+from dlrover_hpc.slurm.parse import SlurmNode
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,6 +64,11 @@ class Cluster(Protocol):
     def continuer(self, site: Site) -> Continuer | None:
         """Continues the job at its time limit (requeue, or a new job); None: the workers'
         framework does (``--requeue-by=framework``), or nothing can."""
+        ...
+
+    def node_states(self, site: Site) -> ReadStates | None:
+        """Reads the resource manager's state of the given nodes, in one call for them all
+        (:mod:`dlrover_hpc.master.node_states`); None: there is none to ask."""
         ...
 
 
@@ -102,6 +111,14 @@ class SlurmCluster:
             script=self.script,
         )
 
+    def node_states(self, site: Site) -> ReadStates | None:
+        return _show_nodes
+
+
+def _show_nodes(nodes: Sequence[str]) -> Mapping[str, SlurmNode]:
+    """One ``scontrol -o show node HOSTLIST`` for every node of the job."""
+    return slurm.show_nodes(nodes, timeout_s=POLL_TIMEOUT_S)
+
 
 class NoCluster:
     """No resource manager (a master outside Slurm, ``--standalone`` on a workstation): nodes
@@ -117,6 +134,9 @@ class NoCluster:
         return None
 
     def continuer(self, site: Site) -> Continuer | None:
+        return None
+
+    def node_states(self, site: Site) -> ReadStates | None:
         return None
 
 

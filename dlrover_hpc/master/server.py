@@ -316,6 +316,9 @@ class MasterServer:
             master.relauncher.run() if master.relauncher else asyncio.sleep(0)
         )
         time_left = asyncio.create_task(stopping.watch_time_left(master.stopper))
+        states = asyncio.create_task(
+            master.node_states.run() if master.node_states else asyncio.sleep(0)
+        )
         try:
             await master.job.run()
             relaunches.cancel()
@@ -332,6 +335,7 @@ class MasterServer:
             await asyncio.to_thread(master.stopper.conclude)
         finally:
             time_left.cancel()
+            states.cancel()
             live.cancel()
             ticks.cancel()
             lease.cancel()

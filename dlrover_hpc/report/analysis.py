@@ -48,6 +48,7 @@ _MARKED = {
     "hang_detected": "hang",
     "node_drained": "drained",
     "node_quarantined": "drained",
+    "node_state_changed": "drained",  # Slurm drained, failed or downed it (issue 48)
     "straggler_detected": "straggler",
 }
 
@@ -334,6 +335,8 @@ class Analysis:
             for _, name, detail in evs:
                 if name in ("node_drained", "node_quarantined"):
                     removed = f"{name.removeprefix('node_')}: {detail}"
+                elif name == "node_state_changed":
+                    removed = f"slurm: {detail}"
             out.append(
                 NodeSummary(
                     node=node,

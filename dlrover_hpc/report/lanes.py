@@ -17,6 +17,7 @@ NODE_EVENTS = frozenset(
         "node_lost",
         "node_drained",
         "node_quarantined",
+        "node_state_changed",
         "node_admitted",
         "node_readmitted",
         "node_relaunched",

@@ -18,8 +18,8 @@ from typing import Protocol
 
 from dlrover_hpc import environ
 from dlrover_hpc.errors import ConfigError, SlurmError
-from dlrover_hpc.slurm.hostnames import expand
-from dlrover_hpc.slurm.parse import parse_oneliner, parse_time_left
+from dlrover_hpc.slurm.hostnames import collect, expand
+from dlrover_hpc.slurm.parse import SlurmNode, parse_oneliner, parse_show_nodes, parse_time_left
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,21 @@ def show_node(node: str, *, run: Runner = run_command, timeout_s: float = 15.0) 
     if done.returncode != 0:
         raise SlurmError(f"scontrol show node {node} failed: {done.stderr.strip()}")
     return parse_oneliner(done.stdout, free_text_last="Reason")
+
+
+def show_nodes(
+    nodes: Sequence[str], *, run: Runner = run_command, timeout_s: float = 10.0
+) -> dict[str, SlurmNode]:
+    """The Slurm state of each of ``nodes``, from ONE ``scontrol -o show node HOSTLIST`` (the
+    names compressed: ``node[1-4096]``).  A node Slurm does not know is left out (scontrol
+    then exits 1 but prints the others); no node printed at all is a :class:`SlurmError`."""
+    hosts = collect(list(nodes))
+    done = run(["scontrol", "-o", "show", "node", hosts], timeout_s=timeout_s)
+    found = parse_show_nodes(done.stdout)
+    if done.returncode != 0 and not found:
+        error = (done.stderr or done.stdout).strip() or f"exit code {done.returncode}"
+        raise SlurmError(f"scontrol show node {hosts} failed: {error}")
+    return found
 
 
 def requeue_job(job_id: str, *, run: Runner = run_command, timeout_s: float = 30.0) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 _KEY = re.compile(r"(?:^|(?<=\s))([A-Za-z][A-Za-z0-9_:/.]*)=")
@@ -57,3 +58,42 @@ def parse_time_left(text: str) -> float | None:
     for part in parts:
         seconds = seconds * 60 + int(part)
     return float(days * 86400 + seconds)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SlurmNode:
+    """One node of ``scontrol -o show node``: its state (``MIXED``), the state's flags
+    (``DRAIN``, ``FAIL``, ``NOT_RESPONDING``, ...) and the reason an admin or Slurm gave,
+    with its ``[user@time]`` stamp ("" when it has none)."""
+
+    name: str
+    state: str
+    flags: frozenset[str]
+    reason: str
+
+
+_NAME, _STATE, _REASON = "NodeName=", " State=", " Reason="
+
+
+def parse_show_nodes(text: str) -> dict[str, SlurmNode]:
+    """``scontrol -o show node HOSTLIST`` (one line per node) -> ``{node: SlurmNode}``.
+
+    Only ``NodeName``, ``State`` and the free-text ``Reason`` (printed last) are read, by
+    string search: a line is about 1 kB, so a job of 4,096 nodes is 4 MB per look, and the
+    other fields are not wanted.  A line that is not a node's (``Node node5 not found``) is
+    skipped."""
+    out: dict[str, SlurmNode] = {}
+    for line in text.splitlines():
+        if not line.startswith(_NAME):
+            continue
+        space, at = line.find(" "), line.find(_STATE)
+        name = line[len(_NAME) : space]
+        if space < 0 or not name or at < 0:
+            continue
+        at += len(_STATE)
+        end = line.find(" ", at)
+        base, *flags = line[at : end if end >= 0 else len(line)].split("+")
+        cut = line.find(_REASON)
+        reason = line[cut + len(_REASON) :].strip() if cut >= 0 else ""
+        out[name] = SlurmNode(name=name, state=base, flags=frozenset(flags), reason=reason)
+    return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from dlrover_hpc.errors import SlurmError, UsageError
 from dlrover_hpc.slurm import commands
 from dlrover_hpc.slurm.env import parse_slurm_env
 from dlrover_hpc.slurm.hostnames import collect, expand
-from dlrover_hpc.slurm.parse import node_state, parse_oneliner, parse_sinfo_nodes
+from dlrover_hpc.slurm.parse import node_state, parse_oneliner, parse_show_nodes, parse_sinfo_nodes
 
 DATA = Path(__file__).parents[1] / "data" / "slurm"
 
@@ -254,3 +255,110 @@ def test_outside_a_slurm_job_a_worker_gets_no_slurm_variables() -> None:
     got = worker_task_env({"SLURM_JOB_ID": "7"}, {**torchrun, "LOCAL_WORLD_SIZE": "2"})
     assert "SLURM_NPROCS" not in got and got["SLURM_PROCID"] == "3"
     assert not [k for k in got if k.startswith("DLROVER_HPC_AGENT_")]  # nothing to keep
+
+
+# ``scontrol -o show node node[1-4]`` captured on the local Slurm (22.05.8) for the live node
+# states (issue 48): a 2-node exclusive job on node[1-2] and a 1-CPU job on node3, then drains,
+# a FAIL, a DOWN, and all resumed; a killed slurmd (NOT_RESPONDING) and a node set down.
+_SHOWN = {
+    "show_nodes_drained.txt": {
+        "node1": ("ALLOCATED", {"DRAIN"}, "nhc: bad dimm [root@2026-12-01T18:59:20]"),
+        "node2": ("ALLOCATED", set(), ""),
+        "node3": ("MIXED", {"DRAIN"}, "admin drain test [root@2026-12-01T18:59:20]"),
+        "node4": ("IDLE", {"DRAIN"}, "idle drain [root@2026-12-01T18:59:20]"),
+    },
+    "show_nodes_fail.txt": {
+        "node1": ("ALLOCATED", {"DRAIN"}, "nhc: bad dimm [root@2026-12-01T18:59:20]"),
+        "node2": ("ALLOCATED", {"FAIL"}, "fail test [root@2026-12-01T18:59:20]"),
+        "node3": ("MIXED", {"DRAIN"}, "admin drain test [root@2026-12-01T18:59:20]"),
+        "node4": ("IDLE", {"DRAIN"}, "idle drain [root@2026-12-01T18:59:20]"),
+    },
+    "show_nodes_fail_down.txt": {
+        "node1": ("ALLOCATED", {"DRAIN"}, "nhc: bad dimm [root@2026-12-01T18:59:20]"),
+        "node2": ("ALLOCATED", {"FAIL"}, "fail test [root@2026-12-01T18:59:20]"),
+        "node3": ("MIXED", {"DRAIN"}, "admin drain test [root@2026-12-01T18:59:20]"),
+        "node4": ("DOWN", {"DRAIN"}, "down test [root@2026-12-01T18:59:20]"),
+    },
+    "show_nodes_resumed.txt": {
+        "node1": ("ALLOCATED", set(), ""),
+        "node2": ("ALLOCATED", set(), ""),
+        "node3": ("MIXED", set(), ""),
+        "node4": ("IDLE", set(), ""),
+    },
+    "show_nodes_down_not_responding.txt": {
+        "node1": ("IDLE", set(), ""),
+        "node2": ("DOWN", {"NOT_RESPONDING"}, "Not responding [root@2026-12-01T18:59:57]"),
+        "node3": ("DOWN", set(), "operator: down [root@2026-12-01T18:59:39]"),
+        "node4": ("IDLE", set(), ""),
+    },
+    # node4 of a running job drained, then resumed: NOT_RESPONDING for a moment
+    "show_nodes_just_resumed.txt": {
+        "node1": ("IDLE", set(), ""),
+        "node2": ("IDLE", set(), ""),
+        "node3": ("ALLOCATED", set(), ""),
+        "node4": ("ALLOCATED", {"NOT_RESPONDING"}, ""),
+    },
+    "show_node_drained.txt": {
+        "node3": ("IDLE", {"DRAIN"}, "dlrover-hpc: test job 2 [root@2026-11-21T21:15:55]"),
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SHOWN))
+def test_parse_show_nodes_captured(name: str) -> None:
+    shown = parse_show_nodes((DATA / name).read_text())
+    got = {n: (s.state, set(s.flags), s.reason) for n, s in shown.items()}
+    assert got == _SHOWN[name]
+    assert all(n == s.name for n, s in shown.items())
+
+
+def test_parse_show_nodes_matches_the_full_parser() -> None:
+    """The string search reads State and Reason as the Key=Value parser does."""
+    for name in _SHOWN:
+        for line in (DATA / name).read_text().splitlines():
+            fields = parse_oneliner(line, free_text_last="Reason")
+            [node] = parse_show_nodes(line).values()
+            assert node_state(fields) == (node.state, node.flags)
+            assert fields.get("Reason", "") == node.reason
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "Node node5 not found\n", "NodeName=node1\n", "NodeName=node1 Arch=x86_64\n"],
+)
+def test_parse_show_nodes_skips_what_is_no_node_line(text: str) -> None:
+    assert parse_show_nodes(text) == {}
+
+
+def test_show_nodes_is_one_scontrol_for_the_compressed_host_list() -> None:
+    text = (DATA / "show_nodes_drained.txt").read_text()
+    run, calls = _runner(0, stdout=text)
+    shown = commands.show_nodes(["node1", "node2", "node3", "node4"], run=run)
+    assert calls == [["scontrol", "-o", "show", "node", "node[1-4]"]]
+    assert sorted(shown) == ["node1", "node2", "node3", "node4"]
+
+
+def test_show_nodes_keeps_the_nodes_slurm_knows() -> None:
+    """``scontrol -o show node node[1-5]`` with no node5: exit 1, the four others printed."""
+    text = (DATA / "show_nodes_one_unknown.txt").read_text()
+    run, _ = _runner(1, stdout=text, stderr="Node node5 not found\n")
+    shown = commands.show_nodes([f"node{i}" for i in range(1, 6)], run=run)
+    assert sorted(shown) == ["node1", "node2", "node3", "node4"]
+    assert shown["node4"].state == "DOWN"
+
+
+@pytest.mark.parametrize(
+    ("stderr", "says"),
+    [
+        # slurmctld stopped (SIGSTOP): after MessageTimeout=5, as captured here
+        (
+            "slurm_load_node error: Socket timed out on send/recv operation\n",
+            "scontrol show node node[1-2] failed: slurm_load_node error: Socket timed out",
+        ),
+        ("Node nodeX not found\n", "scontrol show node node[1-2] failed: Node nodeX not found"),
+    ],
+)
+def test_show_nodes_failure_names_the_command(stderr: str, says: str) -> None:
+    run, _ = _runner(1, stderr=stderr)
+    with pytest.raises(SlurmError, match=re.escape(says)):
+        commands.show_nodes(["node1", "node2"], run=run)

@@ -1,0 +1,114 @@
+"""A node drained by an admin (or NHC) while it trains, on the real local Slurm (issue 48 item 2).
+
+``sbatch -N4`` with ``--nnodes=3:3``: three nodes train, the fourth waits as a hot spare.  A
+training node is drained with ``scontrol update nodename=X state=drain reason=...``; the master,
+which reads the job's node states with one ``scontrol -o show node`` every few seconds, says
+``node_state_changed``, swaps the node out at the next step every rank holds in memory (so the
+new round restores exactly that step: 0 lost steps), never drains it again, and the spare takes
+its place; the job completes.  The node is resumed at the end.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from harness.chaos import analyze
+from runtime_helpers import REPO, events, named, sbatch, timing_log, wait_job
+
+from dlrover_hpc.jobdir import load_master_info
+from dlrover_hpc.localslurm import LocalSlurm, wait_for
+
+pytestmark = pytest.mark.slurm
+
+STEPS = 500
+REASON = "test: nhc found a bad dimm"
+
+
+def _scontrol(*args: str) -> None:
+    subprocess.run(["scontrol", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.mark.timeout(600)
+def test_a_node_drained_mid_run_is_swapped_out_losing_no_step(
+    local_slurm: LocalSlurm, shared_tmp: Path
+) -> None:
+    work = shared_tmp
+    (work / "ckpt").mkdir()
+    job = sbatch(
+        work,
+        4,
+        "--nnodes=3:3",
+        "--nproc-per-node=1",
+        str(REPO / "examples" / "train_flash_ckpt.py"),
+        f"--steps={STEPS}",
+        f"--ckpt-dir={work / 'ckpt'}",
+        "--save-every=5",
+        "--persist-every=100",
+        "--step-time=0.1",
+        f"--timing-log={work / 'timing.log'}",
+        f"--result={work / 'result.json'}",
+    )
+    job_dir = work / ".dlrover-hpc" / job
+    drained = ""
+    try:
+        wait_for(
+            lambda: any(s >= 30 for _, s in timing_log(work)),
+            timeout_s=180,
+            what="the job to train 30 steps",
+            interval_s=0.3,
+        )
+        master_host = load_master_info(job_dir)["host"]
+        [first] = named(events(job_dir), "rendezvous_complete")
+        drained = next(n for n in reversed(first["nodes"]) if n != master_host)
+        _scontrol("update", f"nodename={drained}", "state=drain", f"reason={REASON}")
+        drained_at = time.time()
+
+        def new_round() -> dict | None:
+            rounds = [e for e in named(events(job_dir), "rendezvous_complete") if e["round"] > 1]
+            return rounds[0] if rounds else None
+
+        second = wait_for(new_round, timeout_s=90, what="a round without the drained node")
+        state = wait_job(job, timeout_s=300)
+    finally:
+        if drained:
+            _scontrol("update", f"nodename={drained}", "state=resume")
+        subprocess.run(["scancel", job], check=False, timeout=30)
+    evs = events(job_dir)
+    context = (
+        f"events: {[(e['event'], e.get('node')) for e in evs if 'checkpoint' not in e['event']]}"
+    )
+    [changed] = named(evs, "node_state_changed")
+    detected_s = changed["time"] - drained_at
+    out_s = second["time"] - drained_at
+    print(
+        f"drained {drained}: node_state_changed after {detected_s:.1f} s, "
+        f"round {second['round']} without it after {out_s:.1f} s"
+    )
+    assert changed["node"] == drained and "DRAIN" in changed["slurm_state"], changed
+    assert changed["reason"].startswith(REASON), changed
+    assert drained not in second["nodes"] and len(second["nodes"]) == 3, second
+    assert out_s <= 60.0, context
+    assert state["JobState"] == "COMPLETED", (state, context)
+    # not drained again, not quarantined; no worker failed: the swap stopped it
+    assert not named(evs, "node_drained") and not named(evs, "node_quarantined"), context
+    assert not named(evs, "worker_failed") and not named(evs, "node_lost"), context
+    # 0 lost steps: the new round restored the newest step every rank of the old one held
+    old = set(first["nodes"])
+    held: dict[int, set[str]] = {}
+    for e in named(evs, "checkpoint_saved"):
+        if e["time"] < second["time"]:
+            held.setdefault(e["step"], set()).add(e["node"])
+    newest = max(step for step, nodes in held.items() if nodes >= old)
+    restored = [e for e in named(evs, "checkpoint_restored") if e["time"] > second["time"]]
+    print(
+        f"newest step every rank held: {newest}; restored: "
+        f"{sorted((e['node'], e['step'], e['source']) for e in restored)}"
+    )
+    assert restored and {e["step"] for e in restored} == {newest}, (newest, restored)
+    assert "storage" not in {e["source"] for e in restored}, restored
+    report = analyze(evs, timing_log(work))
+    assert report.lost_steps == 0, report
+    assert max(s for _, s in timing_log(work)) == STEPS
