@@ -39,6 +39,8 @@ class EventName(StrEnum):
     NETCHECK_RESULT = "netcheck_result"  # a network-check round (faulty, stragglers, timings)
     NODE_DRAINED = "node_drained"  # scontrol drained a faulty node
     NODE_QUARANTINED = "node_quarantined"  # a faulty node kept out of this job (no drain)
+    #: a node failed a health check before joining (node, check, reason): excluded, drained
+    NODE_UNHEALTHY = "node_unhealthy"
     REPLACEMENT_REQUESTED = "replacement_requested"  # a replacement job submitted
     REPLACEMENT_FAILED = "replacement_failed"  # Slurm refused it (reason, next action)
     JOB_REQUEUED = "job_requeued"  # below MIN nodes too long: scontrol requeue

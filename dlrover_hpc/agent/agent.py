@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from dlrover_hpc import environ, injections, jobdir
-from dlrover_hpc.agent import promotion
+from dlrover_hpc.agent import health, promotion
 from dlrover_hpc.agent import watchdog as wd
 from dlrover_hpc.agent.decisions import Next, Outcome, on_assignment, round_outcome, round_over
 from dlrover_hpc.agent.diagnose import Diagnoser
@@ -122,6 +122,12 @@ class Agent:
         self._joins_running_job = False  # not the job's first rendezvous (JoinReply)
         #: the master's link timeout when longer than ours (a large job's: JoinReply)
         self._link_timeout_s = config.link_timeout_s
+        self.health = health.NodeHealth(
+            node=self.node,
+            program=config.health_check,
+            program_timeout_s=config.health_check_timeout_s,
+            expected_gpus=health.expected_gpus(os.environ),
+        )
 
     # -------------------------------------------------------------- setup
     async def _open_link(self) -> None:
@@ -251,6 +257,8 @@ class Agent:
 
     async def _rounds(self) -> int:
         assert self.link is not None
+        if await health.gate(self.health, self.link, self.agent_id, self.saver):
+            return 1  # excluded: never starts workers
         if self.zygote is not None and not self.config.no_python and self._joins_running_job:
             # Waiting for a round is what admits this node: a node that joins a running job
             # (a spare, a replacement, a relaunch) is taken in only once it can start its
@@ -300,6 +308,10 @@ class Agent:
             outcome = await self._run_round(assignment)
             if outcome is Outcome.STOPPED:
                 return 1 if self._master_gone else 143
+            if outcome is Outcome.FAILED and await health.gate(
+                self.health, self.link, self.agent_id, self.saver
+            ):
+                return 1  # its workers failed and the node is unhealthy now: excluded
 
     async def _run_round(self, a: m.Assignment) -> Outcome:
         assert self.link is not None

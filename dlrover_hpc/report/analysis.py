@@ -334,6 +334,8 @@ class Analysis:
             for _, name, detail in evs:
                 if name in ("node_drained", "node_quarantined"):
                     removed = f"{name.removeprefix('node_')}: {detail}"
+                if name == "node_unhealthy" and not removed:  # drained after it: says both
+                    removed = f"unhealthy: {detail}"
             out.append(
                 NodeSummary(
                     node=node,
