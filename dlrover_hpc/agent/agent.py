@@ -122,6 +122,7 @@ class Agent:
         self._joins_running_job = False  # not the job's first rendezvous (JoinReply)
         #: the master's link timeout when longer than ours (a large job's: JoinReply)
         self._link_timeout_s = config.link_timeout_s
+        self._own_failure = False  # the last round's failure was its own workers' (health)
         self.health = health.NodeHealth(
             node=self.node,
             program=config.health_check,
@@ -308,13 +309,14 @@ class Agent:
             outcome = await self._run_round(assignment)
             if outcome is Outcome.STOPPED:
                 return 1 if self._master_gone else 143
-            if outcome is Outcome.FAILED and await health.gate(
+            if self._own_failure and await health.gate(
                 self.health, self.link, self.agent_id, self.saver
             ):
                 return 1  # its workers failed and the node is unhealthy now: excluded
 
     async def _run_round(self, a: m.Assignment) -> Outcome:
         assert self.link is not None
+        self._own_failure = False
         self.round, self._node_rank = a.round, a.node_rank
         self._round_changed.clear()
         progress_file = wd.progress_template(self._job_id, self.node)  # worker_env: + local rank
@@ -399,6 +401,8 @@ class Agent:
             first = failures[0]
             diagnosis = self.diagnoser.diagnose(first)
             kind = diagnosis.kind.value
+            # not a lost peer's symptom: the node checks itself again before it re-joins
+            self._own_failure = diagnosis.kind is not FailureKind.PEER
             log.warning(
                 "worker failed rank=%d exit_code=%s signal=%s classification=%s",
                 first.rank,

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
+import mmap
 import os
 import shlex
 import shutil
@@ -29,7 +31,7 @@ from dlrover_hpc.agent.health_rules import Check, CheckResult, Gpu, GpuFacts
 from dlrover_hpc.agent.master_link import MasterLink
 from dlrover_hpc.checkpoint.env import DEFAULT_SHM_DIR
 from dlrover_hpc.checkpoint.saver.host import SaverHost
-from dlrover_hpc.checkpoint.saver.segments import list_segments
+from dlrover_hpc.checkpoint.saver.segments import list_segments, read_header
 from dlrover_hpc.errors import ConfigError, ProtocolError
 from dlrover_hpc.protocol import messages as m
 
@@ -135,11 +137,29 @@ async def in_thread(fn: Callable[[], T], timeout_s: float) -> tuple[T | None, bo
         return None, False
 
 
-def shm_usage(shm_dir: str, prefix: str) -> tuple[int, int]:
-    """(the node's checkpoint size in ``shm_dir``: every rank's two buffers of its largest
-    segment's size, the bytes its segments already hold) for the saver's ``prefix``."""
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ShmUsage:
+    """The node's checkpoint segments in /dev/shm, as its saver's prefix finds them."""
+
+    checkpoint_bytes: int = 0  # every rank's two buffers of its largest segment's size
+    resident_bytes: int = 0  # what they hold already
+    ckpt_dirs: tuple[str, ...] = ()  # the checkpoint directories their steps name
+
+
+def _ckpt_dir_of(path: str) -> str:
+    """The checkpoint directory a segment's newest complete step names ("" if none)."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            header = read_header(buf)
+    except (OSError, ValueError):  # removed meanwhile, or empty
+        return ""
+    return str(header.meta.get("ckpt_dir") or "") if header is not None else ""
+
+
+def shm_usage(shm_dir: str, prefix: str) -> ShmUsage:
     per_rank: dict[tuple[int, str], int] = {}
     resident = 0
+    dirs: dict[str, None] = {}
     for seg in list_segments(shm_dir, prefix) if prefix else ():
         try:
             s = os.stat(seg.path)
@@ -148,7 +168,13 @@ def shm_usage(shm_dir: str, prefix: str) -> tuple[int, int]:
         key = (seg.rank, seg.tag)
         per_rank[key] = max(per_rank.get(key, 0), s.st_size)
         resident += min(s.st_size, s.st_blocks * 512)
-    return 2 * sum(per_rank.values()), resident
+        if found := _ckpt_dir_of(seg.path):
+            dirs[found] = None
+    return ShmUsage(
+        checkpoint_bytes=2 * sum(per_rank.values()),
+        resident_bytes=resident,
+        ckpt_dirs=tuple(dirs),
+    )
 
 
 def fsync_probe(directory: str, node: str) -> float:
@@ -323,19 +349,22 @@ class NodeHealth:
         self._nvml_loader = nvml_loader
         #: the largest checkpoint size seen on this node (its segments may be gone since)
         self.checkpoint_bytes = 0
+        #: the checkpoint directories seen on this node (its segments name them)
+        self.ckpt_dirs: dict[str, None] = {}
 
     async def shm(self, prefix: str) -> CheckResult:
         try:
             st = os.statvfs(self.shm_dir)
         except OSError as exc:
             return rules.shm(path=self.shm_dir, free_bytes=None, checkpoint_bytes=0, error=str(exc))
-        size, resident = shm_usage(self.shm_dir, prefix)
-        self.checkpoint_bytes = max(self.checkpoint_bytes, size)
+        usage = shm_usage(self.shm_dir, prefix)
+        self.checkpoint_bytes = max(self.checkpoint_bytes, usage.checkpoint_bytes)
+        self.ckpt_dirs.update(dict.fromkeys(usage.ckpt_dirs))
         return rules.shm(
             path=self.shm_dir,
             free_bytes=st.f_bavail * st.f_frsize,
             checkpoint_bytes=self.checkpoint_bytes,
-            resident_bytes=resident,
+            resident_bytes=usage.resident_bytes,
         )
 
     async def check(
@@ -346,15 +375,16 @@ class NodeHealth:
         master_clock: MasterClock | None = None,
     ) -> list[CheckResult]:
         """Every check's result, in order; the built-in ones within the budget together.
-        ``segment_prefix``: the node's saver's (its segments in /dev/shm); ``ckpt_dirs``: the
-        checkpoint directories its saver persisted to."""
+        ``segment_prefix``: the node's saver's (its segments in /dev/shm: their size, and the
+        checkpoint directory their steps name); ``ckpt_dirs``: the directories its saver
+        persisted to."""
         deadline = time.monotonic() + rules.BUILTIN_BUDGET_S
 
         def left() -> float:
             return max(0.0, deadline - time.monotonic())
 
         results = [await timed(lambda: self.shm(segment_prefix))]
-        for directory in dict.fromkeys(ckpt_dirs) or ("",):
+        for directory in {**dict.fromkeys(ckpt_dirs), **self.ckpt_dirs} or ("",):
             probe = functools.partial(storage_reading, directory, self.node, left())
             results.append(await timed(probe))
         if master_clock is None:
@@ -389,7 +419,7 @@ async def gate(
     (which excludes and drains it).  Returns the failed check, or None: join."""
     results = await health.check(
         segment_prefix=saver.prefix if saver is not None else "",
-        ckpt_dirs=[d.ckpt_dir for d in saver.durability()] if saver is not None else [],
+        ckpt_dirs=saver.ckpt_dirs() if saver is not None else [],
         master_clock=lambda: master_time(link),
     )
     lines = [r.line() for r in results]

@@ -4,6 +4,7 @@ real processes and a fake NVML object (no GPU here)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import stat
 import time
@@ -16,6 +17,7 @@ from dlrover_hpc.agent import health
 from dlrover_hpc.agent import health_rules as rules
 from dlrover_hpc.agent.health_rules import Check, Gpu, GpuFacts, Status
 from dlrover_hpc.checkpoint.env import segment_name
+from dlrover_hpc.checkpoint.saver.segments import Segment
 from dlrover_hpc.errors import ConfigError
 
 MiB = 2**20
@@ -291,8 +293,9 @@ def test_shm_counts_both_buffers_of_every_rank(tmp_path: Path) -> None:
         path = tmp_path / segment_name(prefix, rank=rank, buffer=0)
         path.write_bytes(b"\1" * 8192)  # resident
     (tmp_path / "dlrover-hpc-u-other-n-r0-a").write_bytes(b"\1" * 8192)  # not this job's
-    size, resident = health.shm_usage(str(tmp_path), prefix)
-    assert (size, resident) == (2 * 2 * 8192, 2 * 8192)
+    usage = health.shm_usage(str(tmp_path), prefix)
+    assert (usage.checkpoint_bytes, usage.resident_bytes) == (2 * 2 * 8192, 2 * 8192)
+    assert usage.ckpt_dirs == ()  # no complete step in them
     node = health.NodeHealth(node="n", shm_dir=str(tmp_path))
     assert asyncio.run(node.shm(prefix)).status is OK
     assert node.checkpoint_bytes == 4 * 8192
@@ -363,3 +366,25 @@ def test_node_health_runs_every_check(tmp_path: Path) -> None:
     bad = rules.verdict(results)
     assert bad is not None and "30.0 s behind the master's" in bad.reason
     assert all(r.ms > 0 for r in results)
+
+
+def test_a_segments_step_names_its_checkpoint_directory(tmp_path: Path) -> None:
+    """A DDP rank other than 0 never persists, so its node's saver knows no directory: the
+    step in its segment names it (the storage check then has a directory to probe)."""
+    prefix = "dlrover-hpc-u-j-n-"
+    seg = Segment(str(tmp_path / segment_name(prefix, rank=3, buffer=0)), writable=True)
+    try:
+        seg.ensure_size(2 << 20)
+        meta = json.dumps({"step": 7, "ckpt_dir": str(tmp_path / "ckpt"), "part": None})
+        seg.finish_write(seq=seg.begin_write(), step=7, image_len=1024, meta=meta.encode())
+    finally:
+        seg.close()
+    usage = health.shm_usage(str(tmp_path), prefix)
+    assert usage.ckpt_dirs == (str(tmp_path / "ckpt"),)
+    node = health.NodeHealth(node="n", shm_dir=str(tmp_path), nvml_loader=lambda: (None, "-"))
+    (tmp_path / "ckpt").mkdir()
+    results = asyncio.run(node.check(segment_prefix=prefix))
+    assert [(r.check, r.status) for r in results[:2]] == [
+        (Check.SHM, OK),
+        (Check.STORAGE, OK),
+    ]

@@ -16,6 +16,7 @@ from dlrover_hpc.localslurm import LocalSlurm
 
 pytestmark = pytest.mark.slurm
 
+FLASH = TRAIN.parent / "train_flash_ckpt.py"  # flash checkpoints: the saver sees them
 REASON = "ERROR: fake nhc failure on node3"
 NHC = """#!/bin/sh
 # A stand-in for NHC: healthy everywhere but on node3.
@@ -110,3 +111,75 @@ def test_a_node_failing_the_site_health_check_never_trains(
         check=True,
     ).stdout
     assert "node3" in text and "unhealthy" in text, text
+
+
+NHC_ONCE = """#!/bin/sh
+# Healthy at each node's first check; unhealthy at any later one (a node gone bad meanwhile).
+mark="{dir}/checked-$(hostname)"
+if [ -e "$mark" ]; then
+    echo "ERROR: fake nhc: $(hostname) went bad"
+    exit 1
+fi
+touch "$mark"
+exit 0
+"""
+
+
+def test_a_node_whose_workers_failed_checks_itself_again(
+    local_slurm: LocalSlurm, shared_tmp: Path
+) -> None:
+    """A worker SIGKILLed (its own failure, not a lost peer's): its node runs the checks again
+    before it re-joins, now with a checkpoint seen (shm and storage are checked, not skipped);
+    the site program fails there this time, so the node is out and the job completes on the
+    other two.  Its peers' nodes, whose workers only lost it, re-join without a check."""
+    marks = shared_tmp / "marks"
+    marks.mkdir()
+    nhc = shared_tmp / "nhc-once.sh"
+    nhc.write_text(NHC_ONCE.format(dir=marks))
+    nhc.chmod(0o755)
+    (shared_tmp / "ckpt").mkdir()
+    steps = 80
+    job = sbatch(
+        shared_tmp,
+        3,
+        "--nnodes=2:3",
+        "--nproc-per-node=1",
+        f"--health-check={nhc}",
+        str(FLASH),
+        f"--steps={steps}",
+        f"--ckpt-dir={shared_tmp / 'ckpt'}",
+        "--save-every=2",
+        "--persist-every=10",
+        "--fail-at-step=20",
+        "--fail-rank=2",
+        "--step-time=0.1",
+        f"--result={shared_tmp / 'result.json'}",
+        extra=("-w", "node[1-3]"),
+        master_opts="--drain=quarantine --replacement-sbatch=off",
+    )
+    job_dir = shared_tmp / ".dlrover-hpc" / job
+    fields = wait_job(job, timeout_s=240)
+    out = (shared_tmp / f"slurm-{job}.out").read_text()
+    assert fields["JobState"] == "COMPLETED", out[-4000:]
+    evs = events(job_dir)
+    own = [e for e in named(evs, "worker_failed") if e["classification"] != "peer"]
+    assert [e["rank"] for e in own] == [2], named(evs, "worker_failed")
+    bad = own[0]["node"]
+    [unhealthy] = named(evs, "node_unhealthy")
+    assert unhealthy["node"] == bad and unhealthy["check"] == "program", unhealthy
+    assert unhealthy["reason"] == f"ERROR: fake nhc: {bad} went bad", unhealthy
+    assert unhealthy["time"] > own[0]["time"]
+    # with a checkpoint on the node: room in /dev/shm and the directory's fsync were checked
+    lines = unhealthy["checks"]
+    assert any(line.startswith("shm=ok") for line in lines), lines
+    assert any(line.startswith("storage=ok") for line in lines), lines
+    # it trained in the first round only, and the job ended on the other two
+    started = [e["round"] for e in named(evs, "workers_started") if e["node"] == bad]
+    assert started == [1], named(evs, "workers_started")
+    rounds = named(evs, "rendezvous_complete")
+    assert bad not in rounds[-1]["nodes"] and len(rounds[-1]["nodes"]) == 2, rounds
+    result = json.loads((shared_tmp / "result.json").read_text())
+    assert result["final_step"] == steps and result["restart_count"] >= 1, result
+    # only the failed node checked itself twice
+    assert sorted(p.name for p in marks.iterdir()) == [f"checked-node{i}" for i in (1, 2, 3)]
+    assert out.count("node unhealthy check=program") == 1, out[-4000:]
