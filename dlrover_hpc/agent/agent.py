@@ -258,7 +258,7 @@ class Agent:
 
     async def _rounds(self) -> int:
         assert self.link is not None
-        if await health.gate(self.health, self.link, self.agent_id, self.saver):
+        if await self._unhealthy():
             return 1  # excluded: never starts workers
         if self.zygote is not None and not self.config.no_python and self._joins_running_job:
             # Waiting for a round is what admits this node: a node that joins a running job
@@ -309,10 +309,24 @@ class Agent:
             outcome = await self._run_round(assignment)
             if outcome is Outcome.STOPPED:
                 return 1 if self._master_gone else 143
-            if self._own_failure and await health.gate(
-                self.health, self.link, self.agent_id, self.saver
-            ):
+            if self._own_failure and await self._unhealthy():
                 return 1  # its workers failed and the node is unhealthy now: excluded
+
+    async def _unhealthy(self) -> bool:
+        """The node's health check before it joins (:mod:`health`); True: it failed, and the
+        master was told.  A stop signal ends a long site program (then False: the wait for a
+        round sees the signal)."""
+        assert self.link is not None
+        check = asyncio.create_task(health.gate(self.health, self.link, self.agent_id, self.saver))
+        stop = asyncio.create_task(self._stop.wait())
+        await asyncio.wait({check, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not check.done():
+            check.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await check
+            return False
+        return check.result() is not None
 
     async def _run_round(self, a: m.Assignment) -> Outcome:
         assert self.link is not None

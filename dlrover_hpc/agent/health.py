@@ -98,6 +98,11 @@ async def run_program(argv: Sequence[str], timeout_s: float) -> CheckResult:
             os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
         return rules.program(argv=argv, returncode=None, timeout_s=timeout_s)
+    except asyncio.CancelledError:  # the agent stops: the program and its children too
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()  # reaped, its pipes closed, before the loop ends
+        raise
     return rules.program(
         argv=argv,
         returncode=proc.returncode,

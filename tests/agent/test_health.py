@@ -388,3 +388,32 @@ def test_a_segments_step_names_its_checkpoint_directory(tmp_path: Path) -> None:
         (Check.SHM, OK),
         (Check.STORAGE, OK),
     ]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] in "ZX"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def test_a_stopped_agent_ends_the_site_program_and_its_children(tmp_path: Path) -> None:
+    pidfile = tmp_path / "child.pid"
+    argv = (_script(tmp_path, f"sleep 30 &\necho $! > {pidfile}\nwait\n"),)
+
+    async def body() -> None:
+        task = asyncio.create_task(health.run_program(argv, 60.0))
+        deadline = time.monotonic() + 10
+        while not (pidfile.exists() and pidfile.read_text().strip()):
+            assert time.monotonic() < deadline, "the program did not start"
+            await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(body())
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while not _gone(child):
+        assert time.monotonic() < deadline, f"pid {child} still runs"
+        time.sleep(0.05)
