@@ -242,6 +242,9 @@ class RunConfig:
     off: frozenset[str] = frozenset()
     #: torchrun's --virtual-local-rank: LOCAL_RANK=0 and one visible GPU per worker
     virtual_local_rank: bool = settings.VIRTUAL_LOCAL_RANK.default
+    #: --health-check: the site's node check, run before joining ("": none)
+    health_check: str = settings.HEALTH_CHECK.default
+    health_check_timeout_s: float = settings.HEALTH_CHECK_TIMEOUT.default
 
     def __post_init__(self) -> None:
         nnodes = self.nnodes
@@ -287,6 +290,11 @@ class RunConfig:
         _check_std_streams("--redirects", self.redirects)
         _check_std_streams("--tee", self.tee)
         check_link_timeout(self.link_timeout_s)
+        if not (0 < self.health_check_timeout_s < math.inf):
+            raise ConfigError(
+                f"--health-check-timeout={self.health_check_timeout_s:g}: must be more than 0 "
+                "seconds, e.g. --health-check-timeout=60"
+            )
         if not (self.reconnect_timeout_s >= 0 and math.isfinite(self.reconnect_timeout_s)):
             raise ConfigError(
                 f"--reconnect-timeout={self.reconnect_timeout_s:g}: must be 0 (exit at once when "

@@ -42,6 +42,8 @@ class EventName(StrEnum):
     #: Slurm set a node of the job DRAIN, FAIL or DOWN while it trained or waited (node,
     #: slurm_state, reason, action: out at the next step every rank holds in memory, or lost)
     NODE_STATE_CHANGED = "node_state_changed"
+    #: a node failed a health check before joining (node, check, reason): excluded, drained
+    NODE_UNHEALTHY = "node_unhealthy"
     REPLACEMENT_REQUESTED = "replacement_requested"  # a replacement job submitted
     REPLACEMENT_FAILED = "replacement_failed"  # Slurm refused it (reason, next action)
     JOB_REQUEUED = "job_requeued"  # below MIN nodes too long: scontrol requeue

@@ -584,6 +584,29 @@ STRAGGLER_FACTOR = Setting(
     "(default 2)",
 )
 
+#: ``--health-check PROGRAM``: the site's node check (NHC's convention), run on each node
+#: before its agent joins a round (:mod:`dlrover_hpc.agent.health`); "" is none.
+HEALTH_CHECK = Setting(
+    key="health_check",
+    flags=("--health-check",),
+    default="",
+    metavar="PROGRAM",
+    help="the site's node health check, run on each node before it joins a round (first "
+    "start, spare, replacement, relaunch, and after its workers failed): exit 0 healthy, else "
+    "unhealthy with the first line of its output as the reason (NHC's convention); an "
+    "unhealthy node is excluded and drained (node_unhealthy) and its agent exits; "
+    "arguments may follow in one quoted string (default: none)",
+)
+HEALTH_CHECK_TIMEOUT = Setting(
+    key="health_check_timeout",
+    flags=("--health-check-timeout",),
+    kind=Kind.FLOAT,
+    default=60.0,
+    field="health_check_timeout_s",
+    help="seconds the --health-check program may run before it is killed and the node counts "
+    "as unhealthy (default 60)",
+)
+
 
 def _off(name: str, *, what: str, cost: str) -> Setting[bool]:
     """The off switch of something dlrover-run puts into its workers (``--no-<name>``;
@@ -804,6 +827,7 @@ _RUN = (
     NUMA_BINDING, SIGNALS_TO_HANDLE, SHUTDOWN_TIMEOUT, VIRTUAL_LOCAL_RANK,
     MASTER, NETWORK_CHECK, EXCLUDE_STRAGGLER, NODE_UNIT, LINK_TIMEOUT, RECONNECT_TIMEOUT,
     HANG_TIMEOUT, STRAGGLER_FACTOR, REQUEUE_BY, *OFF_SWITCHES, TRANSPARENT, JOB_DIR, CONFIG,
+    HEALTH_CHECK, HEALTH_CHECK_TIMEOUT,
 )  # fmt: skip
 _MASTER = (
     HOST, PORT, NNODES, NODE_UNIT, TOPOLOGY, DRAIN, JOB_DIR, MAX_RESTARTS, HEARTBEAT_TIMEOUT,

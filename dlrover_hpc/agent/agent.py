@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from dlrover_hpc import environ, injections, jobdir
-from dlrover_hpc.agent import promotion
+from dlrover_hpc.agent import health, promotion
 from dlrover_hpc.agent import watchdog as wd
 from dlrover_hpc.agent.decisions import Next, Outcome, on_assignment, round_outcome, round_over
 from dlrover_hpc.agent.diagnose import Diagnoser
@@ -122,6 +122,13 @@ class Agent:
         self._joins_running_job = False  # not the job's first rendezvous (JoinReply)
         #: the master's link timeout when longer than ours (a large job's: JoinReply)
         self._link_timeout_s = config.link_timeout_s
+        self._own_failure = False  # the last round's failure was its own workers' (health)
+        self.health = health.NodeHealth(
+            node=self.node,
+            program=config.health_check,
+            program_timeout_s=config.health_check_timeout_s,
+            expected_gpus=health.expected_gpus(os.environ),
+        )
 
     # -------------------------------------------------------------- setup
     async def _open_link(self) -> None:
@@ -251,6 +258,8 @@ class Agent:
 
     async def _rounds(self) -> int:
         assert self.link is not None
+        if await self._unhealthy():
+            return 1  # excluded: never starts workers
         if self.zygote is not None and not self.config.no_python and self._joins_running_job:
             # Waiting for a round is what admits this node: a node that joins a running job
             # (a spare, a replacement, a relaunch) is taken in only once it can start its
@@ -300,9 +309,28 @@ class Agent:
             outcome = await self._run_round(assignment)
             if outcome is Outcome.STOPPED:
                 return 1 if self._master_gone else 143
+            if self._own_failure and await self._unhealthy():
+                return 1  # its workers failed and the node is unhealthy now: excluded
+
+    async def _unhealthy(self) -> bool:
+        """The node's health check before it joins (:mod:`health`); True: it failed, and the
+        master was told.  A stop signal ends a long site program (then False: the wait for a
+        round sees the signal)."""
+        assert self.link is not None
+        check = asyncio.create_task(health.gate(self.health, self.link, self.agent_id, self.saver))
+        stop = asyncio.create_task(self._stop.wait())
+        await asyncio.wait({check, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not check.done():
+            check.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await check
+            return False
+        return check.result() is not None
 
     async def _run_round(self, a: m.Assignment) -> Outcome:
         assert self.link is not None
+        self._own_failure = False
         self.round, self._node_rank = a.round, a.node_rank
         self._round_changed.clear()
         progress_file = wd.progress_template(self._job_id, self.node)  # worker_env: + local rank
@@ -387,6 +415,8 @@ class Agent:
             first = failures[0]
             diagnosis = self.diagnoser.diagnose(first)
             kind = diagnosis.kind.value
+            # not a lost peer's symptom: the node checks itself again before it re-joins
+            self._own_failure = diagnosis.kind is not FailureKind.PEER
             log.warning(
                 "worker failed rank=%d exit_code=%s signal=%s classification=%s",
                 first.rank,

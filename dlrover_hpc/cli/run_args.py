@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from dlrover_hpc import injections, settings, version_line
+from dlrover_hpc.agent import health
 from dlrover_hpc.cli import site_config
 from dlrover_hpc.cli.commands import master_parser
 from dlrover_hpc.cli.parser import Parser
@@ -170,6 +171,7 @@ def parse_with_notices(argv: Sequence[str] | None = None) -> tuple[RunConfig, tu
     try:
         config = config_from_args(args)
         check_script(config)
+        health.check_program(config.health_check)
     except ConfigError as exc:
         print(f"dlrover-run: error: {site_config.attribute(str(exc), args)}", file=sys.stderr)
         raise SystemExit(2) from None

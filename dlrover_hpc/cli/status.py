@@ -204,7 +204,7 @@ def format_status(status: m.StatusReply) -> str:
         node_step = str(n.step) if n.step >= 0 else "-"
         lines.append(
             f"{n.node:<16}{rank:>5}  {n.state!s:<10}{n.round:>6}{node_step:>8}{n.nproc:>6}  "
-            f"{n.agent_id}"
+            f"{n.agent_id}" + (f"  {n.reason}" if n.reason else "")
         )
     return "\n".join(lines)
 

@@ -176,6 +176,8 @@ class Master:
             m.StatusRequest: self._status,
             m.Event: self._event,
             m.NetcheckReport: self.agents.netcheck_report,
+            m.ClockRequest: self.agents.clock,
+            m.NodeUnhealthy: self.agents.node_unhealthy,
             m.StacksDumped: self.hangs.stacks_dumped,
             m.StacksRequest: self.hangs.stacks_request,
             m.StopRequest: self._stop_request,

@@ -192,6 +192,14 @@ def worker_failed(
     ]
 
 
+def node_unhealthy(node: str, check: str, reason: str, *, drain: DrainMode) -> list[Action]:
+    """``node`` failed its health check before joining (:mod:`dlrover_hpc.agent.health`): it
+    never trains in this job, even with ``--drain=off`` (which only keeps Slurm's state as it
+    is), and is drained or quarantined as for a hardware fault, so a replacement is asked for."""
+    why = f"unhealthy ({check}): {reason[:200]}"
+    return [Exclude(node, why), *([RemoveNode(node, why)] if drain is not DrainMode.OFF else [])]
+
+
 def charge(*, restart_count: int, max_restarts: int, reason: str = "") -> list[Action]:
     """One restart of the workers' own making: spend it, or fail when none is left.
 

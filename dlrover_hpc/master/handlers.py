@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import time
 
 from dlrover_hpc.events import EventName
 from dlrover_hpc.master import decisions as d
@@ -222,6 +223,35 @@ class AgentHandlers:
     def netcheck_report(self, msg: m.NetcheckReport) -> m.Ack:
         self._record_of(msg.agent_id)
         self.job.netcheck.report(msg.agent_id, msg)
+        self.job.poke()
+        return m.Ack()
+
+    def clock(self, msg: m.ClockRequest) -> m.ClockReply:
+        """An agent's health check compares its clock with this (:mod:`agent.health`)."""
+        return m.ClockReply(time=time.time())
+
+    def node_unhealthy(self, msg: m.NodeUnhealthy) -> m.Ack:
+        """An agent's node failed a health check before joining: exclude it, drain it."""
+        rec = self._record_of(msg.agent_id)
+        rec.reason = f"unhealthy ({msg.check}): {msg.reason}"
+        log.error(
+            "node unhealthy node=%s check=%s reason=%s checks=%s",
+            rec.node,
+            msg.check,
+            msg.reason,
+            " ".join(msg.results),
+        )
+        self.job.emit(
+            EventName.NODE_UNHEALTHY,
+            node=rec.node,
+            agent=rec.agent_id,
+            check=msg.check,
+            reason=msg.reason,
+            checks=msg.results,
+        )
+        self.job.apply(
+            d.node_unhealthy(rec.node, msg.check, msg.reason, drain=self.job.config.drain)
+        )
         self.job.poke()
         return m.Ack()
 

@@ -50,6 +50,7 @@ class NodeRecord:
     checkpoints: list[m.Durability] = dataclasses.field(default_factory=list)  # at its end
     #: a member of the running round restored from the journal, not yet heard from
     resumed: bool = False
+    reason: str = ""  # why it is out of the job (an unhealthy node's check), for status
 
 
 class StoreFactory(Protocol):
@@ -126,6 +127,7 @@ def node_rows(records: Iterable[NodeRecord]) -> list[m.NodeRow]:
             state=n.state,
             round=n.round,
             nproc=n.nproc,
+            reason=n.reason,
         )
         for n in ordered
     ]

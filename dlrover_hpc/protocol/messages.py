@@ -252,6 +252,7 @@ class NodeRow:
     round: int
     nproc: int
     step: int = -1  # its slowest rank's newest step in the running round (-1: none yet)
+    reason: str = ""  # why it is out of the job (node_unhealthy's check and reason)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -299,6 +300,33 @@ class Event(Message):
     TYPE: ClassVar[str] = "event"
     event: EventName
     fields: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ClockRequest(Message):
+    """An agent's health check asks the master's wall clock (:class:`ClockReply`); an older
+    master answers with an error, and the clock check is skipped."""
+
+    TYPE: ClassVar[str] = "clock"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ClockReply(Message):
+    TYPE: ClassVar[str] = "clock_reply"
+    time: float  # the master's time.time() as it answered
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class NodeUnhealthy(Message):
+    """An agent's node failed a health check before it joined a round
+    (:mod:`dlrover_hpc.agent.health`): the master excludes and drains it, and the agent exits
+    without starting workers."""
+
+    TYPE: ClassVar[str] = "node_unhealthy"
+    agent_id: str
+    check: str  # the first failed check: shm, storage, clock, gpu, program
+    reason: str
+    results: list[str] = dataclasses.field(default_factory=list)  # every check's line
 
 
 # --------------------------------------------------------------- master -> agent

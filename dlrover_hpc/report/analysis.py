@@ -337,6 +337,8 @@ class Analysis:
                     removed = f"{name.removeprefix('node_')}: {detail}"
                 elif name == "node_state_changed":
                     removed = f"slurm: {detail}"
+                if name == "node_unhealthy" and not removed:  # drained after it: says both
+                    removed = f"unhealthy: {detail}"
             out.append(
                 NodeSummary(
                     node=node,

@@ -22,10 +22,12 @@ NODE_EVENTS = frozenset(
         "node_readmitted",
         "node_relaunched",
         "straggler_detected",
+        "node_unhealthy",
     }
 )
 _OUT = {"node_lost": LaneState.LOST, "node_drained": LaneState.DRAINED}
 _OUT["node_quarantined"] = LaneState.DRAINED
+_OUT["node_unhealthy"] = LaneState.DRAINED  # failed its health check: never trains
 _BACK = frozenset({"node_joined", "node_readmitted", "node_admitted", "rank"})
 
 

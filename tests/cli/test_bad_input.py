@@ -216,6 +216,18 @@ def _value_cases() -> list[Case]:
         Case(RUN, ("--hang-timeout=sometimes", "train.py"), says="--hang-timeout"),
         Case(RUN, ("--standalone", "--rdzv-endpoint=h:1", "train.py"), says="--standalone"),
         Case(RUN, ("--nproc-per-node=zero", "train.py"), says="--nproc-per-node"),
+        # --health-check: a program that cannot run is a usage error, not a node fault
+        *(
+            Case(RUN, argv, env=env, files={"train.py": "", **files}, says=says)
+            for argv, env, files, says in (
+                (("--health-check=/no/such/nhc", "train.py"), {}, {}, "no such program"),
+                (("--health-check=no-such-nhc-xyz", "train.py"), {}, {}, "no such program"),
+                (("train.py",), {"DLROVER_HPC_HEALTH_CHECK": "/no/such"}, {}, "no such program"),
+                (("--health-check=./nhc.sh", "train.py"), {}, {"nhc.sh": "exit 0\n"}, "chmod +x"),
+                (("--health-check='/bin/true", "train.py"), {}, {}, "quote the program"),
+            )
+        ),
+        Case(RUN, ("--health-check-timeout=0", "train.py"), says="--health-check-timeout=0"),
         Case(HPC, ("status", "--watch", "0"), says="--watch"),
         Case(HPC, ("status", "--watch", "x"), says="--watch"),
         Case(HPC, ("status", "--watch", "1", "--json"), says="drop --json"),

@@ -162,6 +162,10 @@ class SaverHost:
     def durability(self) -> list[Durability]:
         return self.core.durability()
 
+    def ckpt_dirs(self) -> list[str]:
+        """Where this node's steps were persisted to (a node health check's storage check)."""
+        return self.core.ckpt_dirs()
+
     def segments(self) -> list[str]:
         return [s.path for s in list_segments(self.shm_dir, self.prefix)]
 

@@ -457,6 +457,11 @@ class SaverCore:
     def newest_committed(self, ckpt_dir: str) -> int | None:
         return CheckpointDir(ckpt_dir, self._storage(ckpt_dir)).newest_step()
 
+    def ckpt_dirs(self) -> list[str]:
+        """The checkpoint directories this saver was asked to persist to (no I/O)."""
+        with self._cond:
+            return sorted(self._wanted)
+
     def durability(self) -> list[Durability]:
         """Per checkpoint directory this saver persisted to: the newest step it was asked to
         persist against the newest step committed on storage (read there, now)."""
