@@ -183,10 +183,45 @@ def test_a_nan_in_the_newest_memory_step_restores_the_older_buffer(
         assert _rejected(events) == [(6, "memory", WHY, 5, "memory")]
         assert [e["step"] for e in events.named("checkpoint_restored")] == [5]
 
-        # memory=False: the committed step 6 is rejected on storage too; storage's 4 loads
+        # step 6 is out of storage's commits (its record renamed, its file kept) and out of
+        # memory (its segment emptied): no later restore sees it, none rejects it again
+        commits = tmp_path / ".dlrover-hpc" / "commits"
+        assert sorted(p.name for p in commits.iterdir()) == [
+            "step-000000000004.json",
+            "step-000000000006.json.rejected",
+        ]
+        assert (tmp_path / "dlrover_latest.txt").read_text() == "4\n"
+        assert (tmp_path / "checkpoint-6.pt").exists()
+        check_filled(ckpt.load_checkpoint(), 5)
+        assert ckpt.last_restored == (5, "memory")
         check_filled(ckpt.load_checkpoint(memory=False), 4)
         assert ckpt.last_restored == (4, "storage")
-        assert _rejected(events)[1:] == [(6, "storage", WHY, 4, "storage")]
+        assert len(events.named("restore_rejected")) == 1
+        # the next save goes to the emptied buffer: step 5, restored, stays in the other
+        assert ckpt.save_checkpoint(7, filled_state(7), storage_type=StorageType.MEMORY)
+        assert sorted(ckpt.engine.memory_steps()) == [5, 7]
+    finally:
+        ckpt.close()
+
+
+def test_a_nan_on_storage_restores_the_older_committed_step(tmp_path: Path, job: str) -> None:
+    events = ListEventSink()
+    ckpt = DdpCheckpointer(str(tmp_path), env=_env(job), events=events, keep_last=3)
+    try:
+        for step in (2, 4):
+            assert ckpt.save_checkpoint(step, filled_state(step), storage_type=StorageType.DISK)
+        assert ckpt.save_checkpoint(6, _poisoned(6), storage_type=StorageType.DISK)
+        assert ckpt.wait_latest_checkpoint(30)
+        # memory=False (as after a node was replaced): storage's 6 is rejected, 4 loads
+        check_filled(ckpt.load_checkpoint(memory=False), 4)
+        assert ckpt.last_restored == (4, "storage")
+        assert _rejected(events) == [(6, "storage", WHY, 4, "storage")]
+        assert [r.step for r in ckpt.engine.cdir.records()] == [4, 2]
+        # retention no longer counts step 6: a new step 5 keeps 2, 4 and 5
+        assert ckpt.save_checkpoint(5, filled_state(5), storage_type=StorageType.DISK)
+        assert ckpt.wait_latest_checkpoint(30)
+        assert [r.step for r in ckpt.engine.cdir.records()] == [5, 4, 2]
+        assert (tmp_path / "dlrover_latest.txt").read_text() == "5\n"
     finally:
         ckpt.close()
 
@@ -213,8 +248,13 @@ def test_a_user_check_rejects_steps_until_one_passes(tmp_path: Path, job: str) -
             (3, "memory", 2),
         ]
         assert {why for _, _, why, _, _ in _rejected(events)} == {"validate() returned False"}
-        # a validate of this call replaces the constructor's
-        check_filled(ckpt.load_checkpoint(validate=lambda s: True), 4)
+        # the rejected saves are gone: memory holds neither 4 nor 3, storage commits 1 and 2
+        assert ckpt.engine.memory_steps() == {}
+        assert [r.step for r in ckpt.engine.cdir.records()] == [2, 1]
+        # a validate of this call replaces the constructor's (which refuses step 5)
+        assert ckpt.save_checkpoint(5, filled_state(5), storage_type=StorageType.MEMORY)
+        check_filled(ckpt.load_checkpoint(validate=lambda s: s["step"] == 5), 5)
+        assert seen == [4, 3, 2] and len(_rejected(events)) == 2
     finally:
         ckpt.close()
 
@@ -237,8 +277,13 @@ def test_no_step_left_is_an_error_that_names_every_step(tmp_path: Path, job: str
         )
         assert _rejected(events)[-1][3:] == (-1, "none")
         assert events.named("checkpoint_restored") == []
+        # nothing was taken out: the next try refuses them again, as loudly
+        with pytest.raises(RestoreRejectedError):
+            ckpt.load_checkpoint()
+        assert len(_rejected(events)) == 4
         # memory only (the caller has a fallback, e.g. DLRover's resume_path): no state, {}
         assert ckpt.load_checkpoint(storage=False) == {}
+        assert len(_rejected(events)) == 6
         # the off switch loads it as it is
         off = DdpCheckpointer(str(tmp_path), env=_env(job), check_finite=False, tag="off")
         try:

@@ -25,6 +25,11 @@ from dlrover_hpc.checkpoint.trainer.engine import Engine
 from dlrover_hpc.checkpoint.trainer.gpu_staging import close_later
 from dlrover_hpc.checkpoint.trainer.memory_step import MemoryStep
 from dlrover_hpc.checkpoint.trainer.peer_transfer import Outgoing, exchange, received_step
+from dlrover_hpc.checkpoint.trainer.rejected_steps import (
+    forget_rejected,
+    restored_buffer,
+    rollback_token,
+)
 from dlrover_hpc.checkpoint.trainer.restore_agreement import (
     Agreement,
     Choice,
@@ -170,8 +175,10 @@ class CheckpointerBase:
         `memory=False` / `storage=False` leave that source out (all ranks pass the same).
 
         `check` (`RestoreCheck.why_rejected` of what was loaded) rejects a step on any rank:
-        every rank goes on to an older one, with a `restore_rejected` event.  When every step
-        was rejected or unreadable and some was rejected, `RestoreRejectedError` (storage
+        every rank goes on to an older one, with a `restore_rejected` event, and once one
+        loads the rejected saves are taken out of memory and storage (`rejected_steps`).
+        When every step was rejected or unreadable and some was rejected, nothing is taken
+        out (each later try says so again) and `RestoreRejectedError` is raised (storage
         searched too; with `storage=False` the caller's fallback decides: NONE)."""
         engine = self._engine
         held = {ms.key: ms for ms in (engine.memory_parts() if memory else [])}
@@ -212,8 +219,13 @@ class CheckpointerBase:
                     close_later(ms.segment)
         if source == Source.NONE and rejections and storage:
             raise RestoreRejectedError(_nothing_left(rejections, self.checkpoint_dir))
+        if rejections and source != Source.NONE:  # with nothing left, every try says so
+            forget_rejected(engine, rejections, held=held, records=records, rank=agreement.rank)
+            engine.set_token(rollback_token(choice.token, step))
         if source == Source.MEMORY:
-            engine.persist_restored(held[(step, plan.save, *engine.need)], records)
+            restored = held[(step, plan.save, *engine.need)]
+            restored_buffer(engine, restored)
+            engine.persist_restored(restored, records)
         return source, step, result
 
     def _check_for(self, validate: Validate | None) -> Callable[[Any], str | None] | None:

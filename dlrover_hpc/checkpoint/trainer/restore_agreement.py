@@ -338,6 +338,8 @@ class Rejection:
     by_rank: int
     #: this rank's reason; None when only other ranks rejected it
     why: str | None
+    #: the token of the rejected save (a memory step); -1 for a step from storage
+    save: int
     #: what every rank tries next: (source, step); (NONE, -1) when nothing is left
     next_source: Source
     next_step: int
@@ -378,7 +380,7 @@ def restore_agreed(
         outcome = _attempt(agreement, prepare, mine, step, plan, check)
         if outcome.loaded:
             return Restored(mine, step, outcome.result, plan)
-        rejected = step
+        rejected, save = step, plan.save if source == Source.MEMORY else -1
         if outcome.rejected_by is not None:
             storage_next = next_candidate(agreement, steps, step)
             older = plan_older(ranks, below=step, storage_next=storage_next, token=choice.token)
@@ -403,6 +405,7 @@ def restore_agreed(
                     source=mine,
                     by_rank=outcome.rejected_by,
                     why=outcome.why,
+                    save=save,
                     next_source=source,
                     next_step=step if source != Source.NONE else -1,
                 )
