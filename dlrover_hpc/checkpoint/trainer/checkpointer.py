@@ -222,6 +222,8 @@ class CheckpointerBase:
         if rejections and source != Source.NONE:  # with nothing left, every try says so
             forget_rejected(engine, rejections, held=held, records=records, rank=agreement.rank)
             engine.set_token(rollback_token(choice.token, step))
+            gone = {r.step for r in rejections}
+            records = {s: r for s, r in records.items() if s not in gone}  # storage's now
         if source == Source.MEMORY:
             restored = held[(step, plan.save, *engine.need)]
             restored_buffer(engine, restored)
