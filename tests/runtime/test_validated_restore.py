@@ -83,3 +83,61 @@ def test_a_poisoned_step_is_rejected_and_the_older_step_restored(tmp_path: Path)
     final = torch.load(tmp_path / "ck" / "checkpoint-24.pt", weights_only=False)
     assert all(math.isfinite(float(v.abs().sum())) for v in final["model"].values())
     assert "restore_rejected" in proc.stderr + proc.stdout
+
+
+NO_GOOD_STEP = """
+import os, signal, sys
+import torch, torch.distributed as dist
+from dlrover_hpc.checkpoint import DdpCheckpointer, StorageType
+
+dist.init_process_group("gloo")
+ckpt = DdpCheckpointer(sys.argv[1])
+state = ckpt.load_checkpoint()  # the restarted run: every step is poisoned, so this raises
+assert not state, "a poisoned step was restored"
+for step in (2, 4):
+    ckpt.save_checkpoint(step, {"w": torch.full((64,), float("nan")), "step": step},
+                         storage_type=StorageType.DISK)
+assert ckpt.wait_latest_checkpoint(60)
+dist.barrier()
+if dist.get_rank() == 0:
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.barrier()
+"""
+
+
+def test_no_good_step_left_fails_the_job_loudly_instead_of_training_from_scratch(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "poisoned.py"
+    script.write_text(NO_GOOD_STEP)
+    proc = subprocess.run(
+        [
+            str(BIN / "dlrover-run"),
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            f"--job-dir={tmp_path / 'job'}",
+            str(script),
+            str(tmp_path / "ck"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    output = proc.stdout + proc.stderr
+    assert "RestoreRejectedError: checkpoint restore: no step left to train on" in output
+    evs = events(tmp_path / "job")
+    rejected = [(e["step"], e["source"], e["next_step"]) for e in named(evs, "restore_rejected")]
+    assert rejected == [(4, "memory", 2), (2, "memory", -1)]
+    assert named(evs, "checkpoint_restored") == []
+    failed = named(evs, "worker_failed")[-1]  # the restarted run: its load raised
+    assert failed["exit_code"] == 1 and failed["round"] == 2
+    assert (
+        "raised dlrover_hpc.errors.RestoreRejectedError: checkpoint restore: no step"
+        in (failed["reason"])
+    )
+    assert named(evs, "job_finished")[-1]["exit_code"] == 1
+    # nothing was taken out: both steps are still committed, for a person to look at
+    assert (tmp_path / "ck" / "dlrover_latest.txt").read_text() == "4\n"
