@@ -47,6 +47,7 @@ def main() -> None:
         help="in the first run only, the state saved at this step holds a NaN (a restore "
         "rejects it and restores the step before)",
     )
+    p.add_argument("--poison-rank", type=int, default=-1, help="only this rank's (-1: all)")
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
     p.add_argument("--sharded", action="store_true", help="each rank saves its own state")
     p.add_argument("--replicas", type=int, default=0, help="peer nodes holding each part")
@@ -120,6 +121,7 @@ def train(args: argparse.Namespace) -> None:
                 saved = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
                 if (
                     step == args.poison_at_step
+                    and args.poison_rank in (-1, rank)
                     and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
                 ):
                     saved["model"] = {k: v.clone() for k, v in saved["model"].items()}

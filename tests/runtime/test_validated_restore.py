@@ -1,4 +1,5 @@
-"""A poisoned step is never trained on: dlrover-run --standalone, two real torch ranks (gloo).
+"""A poisoned step is never trained on: dlrover-run --standalone, two real torch ranks (gloo),
+and two nodes of the local Slurm.
 
 The script saves a state holding a NaN at step 14 and its rank 0 SIGKILLs itself right after;
 the agent persists that step (the newest in memory) before the restart.  After the restart
@@ -16,9 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import BIN, TRAIN, events, named
+from runtime_helpers import BIN, TRAIN, events, named, sbatch, wait_job
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.runtime]
+from dlrover_hpc.localslurm import LocalSlurm
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.runtime]
 
 FLASH = TRAIN.parent / "train_flash_ckpt.py"
 
@@ -141,3 +144,44 @@ def test_no_good_step_left_fails_the_job_loudly_instead_of_training_from_scratch
     assert named(evs, "job_finished")[-1]["exit_code"] == 1
     # nothing was taken out: both steps are still committed, for a person to look at
     assert (tmp_path / "ck" / "dlrover_latest.txt").read_text() == "4\n"
+
+
+@pytest.mark.slurm
+def test_on_slurm_a_step_poisoned_on_one_node_sends_both_nodes_back(
+    local_slurm: LocalSlurm, shared_tmp: Path
+) -> None:
+    """Two nodes, one rank each (DDP: each node keeps its own copy).  Only node2's copy of
+    step 14 holds a NaN and node2's rank dies after saving it: node1's copy is fine, yet
+    neither node trains on step 14; both restore step 12 from their own memory."""
+    job = sbatch(
+        shared_tmp,
+        2,
+        "--nnodes=2:2",
+        "--nproc-per-node=1",
+        str(FLASH),
+        "--steps=20",
+        f"--ckpt-dir={shared_tmp / 'ck'}",
+        "--save-every=2",
+        "--persist-every=10",
+        "--poison-at-step=14",
+        "--poison-rank=1",
+        "--fail-at-step=14",
+        "--fail-rank=1",
+        f"--result={shared_tmp / 'result.json'}",
+        extra=("-w", "node[1-2]"),
+    )
+    fields = wait_job(job, timeout_s=240)
+    out = (shared_tmp / f"slurm-{job}.out").read_text()
+    assert fields["JobState"] == "COMPLETED", out[-4000:]
+    summary = json.loads((shared_tmp / "result.json").read_text())
+    assert summary["restored"] == [12, "memory"] and summary["final_step"] == 20
+    evs = events(shared_tmp / ".dlrover-hpc" / job)
+    rejected = named(evs, "restore_rejected")
+    assert [(e["rank"], e["node"], e["step"], e["source"], e["next_step"]) for e in rejected] == [
+        (1, "node2", 14, "memory", 12)
+    ]
+    restored = named(evs, "checkpoint_restored")
+    assert sorted((e["rank"], e["node"], e["step"], e["source"]) for e in restored) == [
+        (0, "node1", 12, "memory"),
+        (1, "node2", 12, "memory"),
+    ]
