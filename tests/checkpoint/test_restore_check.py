@@ -20,7 +20,16 @@ from dlrover_hpc.checkpoint import DdpCheckpointer, FsdpShardCheckpointer, Stora
 from dlrover_hpc.checkpoint.env import WorkerEnv
 from dlrover_hpc.checkpoint.event_sinks import ListEventSink
 from dlrover_hpc.checkpoint.testing import check_filled, filled_state
-from dlrover_hpc.checkpoint.trainer.restore_agreement import Holdings, Part, Source, plan_older
+from dlrover_hpc.checkpoint.trainer.restore_agreement import (
+    Agreement,
+    Choice,
+    Holdings,
+    Part,
+    Rejection,
+    Source,
+    plan_older,
+    restore_agreed,
+)
 from dlrover_hpc.checkpoint.trainer.restore_check import RestoreCheck, first_nonfinite
 from dlrover_hpc.errors import RestoreRejectedError
 from dlrover_hpc.trainer.flash_checkpoint.ddp import DdpCheckpointer as DlroverDdpCheckpointer
@@ -328,3 +337,25 @@ def test_fsdp_checkpointer_rejects_a_nan_shard(tmp_path: Path, job: str) -> None
         ]
     finally:
         ckpt.close()
+
+
+def test_a_check_that_raises_rejects_the_step_instead_of_leaving_other_ranks_waiting() -> None:
+    def check(state: Any) -> str | None:
+        if state["step"] == 3:
+            raise RuntimeError("boom")
+        return None
+
+    seen: list[Rejection] = []
+    choice = Choice(source=Source.STORAGE, step=3, token=1, storage_step=3)
+    restored = restore_agreed(
+        Agreement(),
+        choice,
+        [3, 2],
+        lambda source, step, plan: lambda: ({"step": step}, 0),
+        check=check,
+        on_rejected=seen.append,
+    )
+    assert (restored.source, restored.step, restored.result) == (Source.STORAGE, 2, {"step": 2})
+    assert [(r.step, r.why, r.next_step) for r in seen] == [
+        (3, "the check itself failed: RuntimeError: boom", 2)
+    ]

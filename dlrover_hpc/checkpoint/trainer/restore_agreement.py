@@ -448,7 +448,11 @@ def _attempt(
         except RESTORE_ERRORS as exc:
             error = exc
         if error is None and check is not None:
-            why = check(result)
+            try:
+                why = check(result)
+            except Exception as exc:  # a rank that raised here would leave the others waiting
+                logger.exception("checkpoint restore_check_failed step=%d", step)
+                why = f"the check itself failed: {type(exc).__name__}: {exc}"
         world, rank = agreement.world, agreement.rank
         failed, neg_by, high, neg_low = agreement.max(
             [int(error is not None), -(rank if why is not None else world), signature, -signature]
