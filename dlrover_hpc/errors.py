@@ -41,5 +41,10 @@ class SegmentSpaceError(CheckpointError):
     """A segment's file system (/dev/shm) has no room for a save of this size."""
 
 
+class RestoreRejectedError(CheckpointError):
+    """Every step a restore could load failed its check (a NaN, the user's `validate`), so
+    no state was restored; the message lists each step and why."""
+
+
 class ReportError(UsageError):
     """``dlrover-hpc report`` could not read a job's events or write its plot (exit 2)."""

@@ -58,4 +58,5 @@ class EventName(StrEnum):
     CHECKPOINT_PERSIST_FAILED = "checkpoint_persist_failed"  # storage refused (step, error)
     CHECKPOINT_STORAGE_LOW = "checkpoint_storage_low"  # room for < 2 more checkpoints
     CHECKPOINT_RESTORED = "checkpoint_restored"  # a rank restored (step, source)
+    RESTORE_REJECTED = "restore_rejected"  # a restored step failed its check (step, source, why)
     CHECKPOINT_REPLICATED = "checkpoint_replicated"  # a node's part copied to peers' memory

@@ -5,8 +5,9 @@ saver; a one-line warning says so) or under `dlrover-run` (the agent's saver per
 after a worker crash).  It saves to memory every --save-every steps and to disk every
 --persist-every steps, and resumes from the newest consistent checkpoint after a restart.
 With --fail-at-step N --fail-rank R the rank SIGKILLs itself once (a marker file in the
-checkpoint directory remembers it) to demonstrate recovery.  With --sharded every rank saves
-a state of its own (RankCheckpointer; a rank-specific tensor proves each rank got its own
+checkpoint directory remembers it) to demonstrate recovery; with --poison-at-step N the state
+saved at step N of the first run holds a NaN, which the restore rejects.  With --sharded every
+rank saves a state of its own (RankCheckpointer; a rank-specific tensor proves each rank got its own
 part back), and --replicas N copies each node's parts to N peer nodes' memory.  With
 --inprocess the training function runs under `dlrover_hpc.trainer.inprocess.wrap`: on a
 membership change the surviving processes change rounds without a restart.
@@ -39,6 +40,14 @@ def main() -> None:
     p.add_argument("--keep-last", type=int, default=2)
     p.add_argument("--fail-at-step", type=int, default=-1)
     p.add_argument("--fail-rank", type=int, default=0)
+    p.add_argument(
+        "--poison-at-step",
+        type=int,
+        default=-1,
+        help="in the first run only, the state saved at this step holds a NaN (a restore "
+        "rejects it and restores the step before)",
+    )
+    p.add_argument("--poison-rank", type=int, default=-1, help="only this rank's (-1: all)")
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
     p.add_argument("--sharded", action="store_true", help="each rank saves its own state")
     p.add_argument("--replicas", type=int, default=0, help="peer nodes holding each part")
@@ -110,6 +119,13 @@ def train(args: argparse.Namespace) -> None:
             if step % args.save_every == 0:
                 disk = step % args.persist_every == 0 or step == args.steps
                 saved = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
+                if (
+                    step == args.poison_at_step
+                    and args.poison_rank in (-1, rank)
+                    and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+                ):
+                    saved["model"] = {k: v.clone() for k, v in saved["model"].items()}
+                    next(iter(saved["model"].values())).view(-1)[0] = float("nan")
                 if args.sharded:
                     saved["rank_data"] = torch.full((4096,), float(rank * 100000 + step))
                 ckpt.save_checkpoint(

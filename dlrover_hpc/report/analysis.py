@@ -115,6 +115,9 @@ class Analysis:
                     current.restored = max(current.restored or 0, int(e["step"]))
                     if seconds >= current.restore_s:
                         current.restore_s, current.restore_at = seconds, t
+            case "restore_rejected":
+                why = f"step {e['step']} rejected ({e.get('source')}): {str(e.get('why'))[:60]}"
+                self.markers.append((t, node, "checkpoint", why))
             case "netcheck_result":
                 self.netchecks.append((t - float(e.get("seconds", 0.0)), t))
             case "worker_failed":

@@ -38,6 +38,10 @@ _FIELDS: Mapping[str, tuple[Mapping[str, Kind], Mapping[str, Kind]]] = {
     EventName.CHECKPOINT_SAVED: ({"step": Kind.INT}, {"blocking_s": Kind.NUMBER}),
     EventName.CHECKPOINT_PERSISTED: ({"step": Kind.INT}, {"persist_s": Kind.NUMBER}),
     EventName.CHECKPOINT_RESTORED: ({"step": Kind.INT}, {"restore_s": Kind.NUMBER}),
+    EventName.RESTORE_REJECTED: (
+        {"step": Kind.INT, "source": Kind.TEXT, "why": Kind.TEXT},
+        {"next_step": Kind.INT},
+    ),
     EventName.NETCHECK_RESULT: ({}, {"seconds": Kind.NUMBER}),
     EventName.NODE_UNHEALTHY: ({"check": Kind.TEXT}, {}),
 }

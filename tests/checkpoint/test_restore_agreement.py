@@ -358,3 +358,94 @@ def test_ddp_nodes_fall_back_together_or_take_a_peers_copy(
         ["one_node_lost_memory", [2, "peer"], True],
         ["memory_again", [3, "memory"], True],
     ]
+
+
+# ------------------------------------------------------------------ one rank rejects a step
+REJECT_PREAMBLE = """
+from dlrover_hpc.checkpoint.event_sinks import ListEventSink
+events = ListEventSink()
+
+def rejected():
+    rows = [[e["step"], e["source"], e["why"], e["next_step"], e["rank"]]
+            for e in events.named("restore_rejected")]
+    with open(root + f"/rejected{{rank}}.json", "w") as f:
+        json.dump(rows, f)
+"""
+
+DDP_REJECT_SCRIPT = (
+    REJECT_PREAMBLE
+    + """
+def state(step, poison=False):
+    w = torch.full((16,), float(step))
+    if poison:
+        w[3] = float("nan")
+    return {{"w": w, "step": step}}
+
+def restore(label):
+    got = ck.load_checkpoint(state_dict=state(0))
+    step = ck.last_restored[0]
+    ok = got["step"] == step and bool((got["w"] == float(step)).all())
+    out.append([label, ck.last_restored, ok])
+
+ck = DdpCheckpointer(root + "/ddp", events=events)  # each rank is the leader of its own node
+for s in (1, 2):
+    assert ck.save_checkpoint(s, state(s), storage_type=StorageType.DISK)
+assert ck.wait_latest_checkpoint(60)
+# step 3: rank 1's node holds a NaN, rank 0's (the persisted copy) does not
+assert ck.save_checkpoint(3, state(3, poison=rank == 1), storage_type=StorageType.DISK)
+assert ck.wait_latest_checkpoint(60)
+restore("nan_on_one_node")
+ck.close()
+rejected()
+finish()
+"""
+)
+
+FSDP_REJECT_SCRIPT = (
+    REJECT_PREAMBLE
+    + FSDP_SCRIPT[: FSDP_SCRIPT.index("ck = FsdpShardCheckpointer")]
+    + """
+ck = FsdpShardCheckpointer(root + "/fsdp", events=events)
+for s in (1, 2):
+    assert ck.save_checkpoint(s, make(s), storage_type=StorageType.DISK)
+assert ck.wait_latest_checkpoint(60)
+bad = make(3)
+if rank == 1:  # only rank 1's shard of step 3 holds an infinity
+    bad["w"].to_local()[0, 0] = float("inf")
+assert ck.save_checkpoint(3, bad, storage_type=StorageType.DISK)
+assert ck.wait_latest_checkpoint(60)
+restore("inf_in_one_shard")
+ck.close()
+rejected()
+finish()
+"""
+)
+
+
+def _rejected(tmp_path: Path) -> list[list[list[object]]]:
+    return [json.loads((tmp_path / f"rejected{r}.json").read_text()) for r in range(2)]
+
+
+def test_a_step_one_node_rejects_sends_every_rank_to_the_older_step(
+    tmp_path: Path, warm_python: WarmPython
+) -> None:
+    """Rank 0's copy of step 3 is fine, rank 1's holds a NaN: neither trains on step 3; both
+    restore step 2 from their node's second buffer, and rank 1 reports why."""
+    outs = _run_two_ranks(tmp_path, warm_python, DDP_REJECT_SCRIPT, own_nodes=True)
+    assert outs == [[["nan_on_one_node", [2, "memory"], True]]] * 2
+    assert _rejected(tmp_path) == [
+        [],
+        [[3, "memory", "non-finite values in w (1 of 16: nan)", 2, 1]],
+    ]
+
+
+def test_a_shard_one_rank_rejects_sends_every_rank_to_the_older_step(
+    tmp_path: Path, warm_python: WarmPython
+) -> None:
+    pytest.importorskip("numpy", reason="multi-rank torch.distributed.checkpoint needs numpy")
+    outs = _run_two_ranks(tmp_path, warm_python, FSDP_REJECT_SCRIPT, own_nodes=False)
+    assert outs == [[["inf_in_one_shard", [2, "memory"], True]]] * 2
+    assert _rejected(tmp_path) == [
+        [],
+        [[3, "memory", "non-finite values in w (1 of 32: inf)", 2, 1]],
+    ]

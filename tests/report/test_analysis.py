@@ -196,3 +196,28 @@ def test_a_restore_newer_than_the_last_report_counts_the_steps_in_between() -> N
     n1 = [(s.start, s.end, s.state) for s in r.spans if s.state is LaneState.TRAINING]
     assert n1[0] == (2.0, 8.0, LaneState.TRAINING)
     assert r.useful_s + sum(r.lost_s.values()) == pytest.approx(r.wall_s)
+
+
+def test_a_rejected_restore_is_a_marker_on_its_node() -> None:
+    log = failed_and_restored()
+    rejected = ev(
+        13.9,
+        "restore_rejected",
+        node="n1",
+        rank=0,
+        step=40,
+        source="memory",
+        why="non-finite values in model.0.weight (1 of 2048: nan)",
+        next_step=30,
+    )
+    log.insert(-6, rejected)
+    r = analyze(log)
+    assert [(m.time, m.node, m.kind, m.label) for m in r.markers] == [
+        (11.5, "n2", "failure", "rank 1 SIGKILL (software)"),
+        (
+            13.9,
+            "n1",
+            "checkpoint",
+            "step 40 rejected (memory): non-finite values in model.0.weight (1 of 2048: nan)",
+        ),
+    ]

@@ -164,6 +164,10 @@ class SaverCore:
     def _observe_token(self, token: int) -> None:
         if self._token is not None and token != self._token:
             logger.info("checkpoint new_generation token=%x", token)
+            # what the previous generation committed says nothing of this one's steps (after
+            # a rejected restore it trains again steps older than those)
+            with self._cond:
+                self._committed.clear()
             reset = getattr(self._commit, "new_generation", None)
             if callable(reset):
                 reset()

@@ -10,6 +10,7 @@ bytes in memory or from storage, and it runs the restore every rank agrees on
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -24,18 +25,26 @@ from dlrover_hpc.checkpoint.trainer.engine import Engine
 from dlrover_hpc.checkpoint.trainer.gpu_staging import close_later
 from dlrover_hpc.checkpoint.trainer.memory_step import MemoryStep
 from dlrover_hpc.checkpoint.trainer.peer_transfer import Outgoing, exchange, received_step
+from dlrover_hpc.checkpoint.trainer.rejected_steps import (
+    forget_rejected,
+    restored_buffer,
+    rollback_token,
+)
 from dlrover_hpc.checkpoint.trainer.restore_agreement import (
     Agreement,
     Choice,
     Holdings,
     Load,
+    Rejection,
     Source,
-    choose,
+    gather_holdings,
+    plan_restore,
     restore_agreed,
 )
+from dlrover_hpc.checkpoint.trainer.restore_check import RestoreCheck, Validate
 from dlrover_hpc.checkpoint.trainer.restored_state import StepBytes
 from dlrover_hpc.checkpoint.trainer.saver_connection import SaverLink
-from dlrover_hpc.errors import CheckpointError
+from dlrover_hpc.errors import CheckpointError, RestoreRejectedError
 from dlrover_hpc.events import EventName
 from dlrover_hpc.worker import progress
 
@@ -61,9 +70,14 @@ class CheckpointerBase:
         device_snapshot: bool | None = None,
         keep_interval: int | None = None,
         replicas: int = 0,
+        check_finite: bool = True,
+        validate: Validate | None = None,
     ) -> None:
         self.checkpoint_dir = checkpoint_dir
         self.verify = verify
+        #: what a restored state must pass (`restore_check`); `load_checkpoint(validate=)`
+        #: replaces the user's check for one load
+        self.restore_check = RestoreCheck(finite=check_finite, validate=validate)
         self._engine = Engine(
             checkpoint_dir,
             kind=kind,
@@ -149,6 +163,7 @@ class CheckpointerBase:
         *,
         memory: bool = True,
         storage: bool = True,
+        check: Callable[[Any], str | None] | None = None,
     ) -> tuple[Source, int, Any]:
         """The state of the step every rank agrees on, with this rank's source and the step;
         (NONE, -1, None) when there is none.  Every rank must call it.
@@ -157,7 +172,14 @@ class CheckpointerBase:
         raises when this rank cannot load that step) and return the load proper, which may be
         collective: it runs only once every rank has prepared the same step.  `from_memory`
         gets the bytes of this rank's part: a segment of its node, or a peer's copy.
-        `memory=False` / `storage=False` leave that source out (all ranks pass the same)."""
+        `memory=False` / `storage=False` leave that source out (all ranks pass the same).
+
+        `check` (`RestoreCheck.why_rejected` of what was loaded) rejects a step on any rank:
+        every rank goes on to an older one, with a `restore_rejected` event, and once one
+        loads the rejected saves are taken out of memory and storage (`rejected_steps`).
+        When every step was rejected or unreadable and some was rejected, nothing is taken
+        out (each later try says so again) and `RestoreRejectedError` is raised (storage
+        searched too; with `storage=False` the caller's fallback decides: NONE)."""
         engine = self._engine
         held = {ms.key: ms for ms in (engine.memory_parts() if memory else [])}
         records = {r.step: r for r in (engine.cdir.records() if storage else [])}
@@ -168,26 +190,68 @@ class CheckpointerBase:
             token=engine.token,
             need=engine.need,
         )
-        choice = choose(agreement, mine)
+        ranks = gather_holdings(agreement, mine)
+        choice = plan_restore(ranks)
         engine.set_token(choice.token)
 
-        def prepare(source: Source, step: int) -> Load:
+        def prepare(source: Source, step: int, plan: Choice) -> Load:
             if source != Source.STORAGE:
-                return self._prepare_memory(agreement, choice, held, from_memory)
+                return self._prepare_memory(agreement, plan, held, from_memory)
             record = records.get(step)
             if record is None:
                 raise CheckpointError(f"no commit record for step {step} on this rank")
             return from_storage(record)
 
+        rejections: list[Rejection] = []
         try:
-            source, step, result = restore_agreed(agreement, choice, records, prepare)
+            source, step, result, plan = restore_agreed(
+                agreement,
+                choice,
+                records,
+                prepare,
+                check=check,
+                ranks=ranks,
+                on_rejected=lambda r: self._report_rejected(r, agreement.rank, rejections),
+            )
         finally:
             for ms in held.values():  # other ranks' segments (the DDP node leader's, a peer's)
                 if ms.segment.path != engine.segment_path(ms.buffer):
                     close_later(ms.segment)
+        if source == Source.NONE and rejections and storage:
+            raise RestoreRejectedError(_nothing_left(rejections, self.checkpoint_dir))
+        if rejections and source != Source.NONE:  # with nothing left, every try says so
+            forget_rejected(engine, rejections, held=held, records=records, rank=agreement.rank)
+            engine.set_token(rollback_token(choice.token, step))
+            gone = {r.step for r in rejections}
+            records = {s: r for s, r in records.items() if s not in gone}  # storage's now
         if source == Source.MEMORY:
-            engine.persist_restored(held[(step, choice.save, *engine.need)], records)
+            restored = held[(step, plan.save, *engine.need)]
+            restored_buffer(engine, restored)
+            engine.persist_restored(restored, records)
         return source, step, result
+
+    def _check_for(self, validate: Validate | None) -> Callable[[Any], str | None] | None:
+        """The check of one load: this checkpointer's, with `validate` (when given) in place
+        of its own; None when nothing is checked."""
+        check = self.restore_check
+        if validate is not None:
+            check = dataclasses.replace(check, validate=validate)
+        return check.why_rejected if check.active else None
+
+    def _report_rejected(self, rejection: Rejection, rank: int, seen: list[Rejection]) -> None:
+        """The lowest rank that rejected a step writes its `restore_rejected` event (one per
+        step, not one per rank); every rank keeps the list for the error when none is left."""
+        seen.append(rejection)
+        if rejection.by_rank != rank:
+            return
+        self._engine.emit(
+            EventName.RESTORE_REJECTED,
+            step=rejection.step,
+            source=rejection.source.value,
+            why=rejection.why or "",
+            next_step=rejection.next_step,
+            next_source=rejection.next_source.value,
+        )
 
     def _prepare_memory(
         self,
@@ -240,3 +304,17 @@ class CheckpointerBase:
             source=source.value,
             restore_s=round(seconds, 6),
         )
+
+
+def _nothing_left(rejections: list[Rejection], checkpoint_dir: str) -> str:
+    """The error of a restore that found no step to train on after rejecting some."""
+    tried = "; ".join(
+        f"step {r.step} ({r.source.value}): {r.why or f'rejected by rank {r.by_rank}'}"
+        for r in rejections
+    )
+    return (
+        f"checkpoint restore: no step left to train on in memory or in {checkpoint_dir}: "
+        f"{tried}. No state was restored; starting over would silently lose the training "
+        "so far. Fix: look at those steps (their files stay on storage), remove them to start "
+        "over, or pass check_finite=False (or another validate=) to load them anyway"
+    )

@@ -29,6 +29,7 @@ from dlrover_hpc.checkpoint.trainer.checkpointer import CheckpointerBase
 from dlrover_hpc.checkpoint.trainer.dcp_readers import ShmStorageReader, VerifyingFileReader
 from dlrover_hpc.checkpoint.trainer.dcp_writer import ShmStorageWriter
 from dlrover_hpc.checkpoint.trainer.restore_agreement import Load, Source
+from dlrover_hpc.checkpoint.trainer.restore_check import Validate
 from dlrover_hpc.checkpoint.trainer.restored_state import StepBytes
 from dlrover_hpc.checkpoint.trainer.saver_connection import SaverLink
 from dlrover_hpc.errors import CheckpointError
@@ -54,6 +55,8 @@ class FsdpShardCheckpointer(CheckpointerBase):
         link: SaverLink | None = None,
         keep_interval: int | None = None,
         replica_count: int = 0,
+        check_finite: bool = True,
+        validate: Validate | None = None,
     ) -> None:
         super().__init__(
             checkpoint_dir,
@@ -68,6 +71,8 @@ class FsdpShardCheckpointer(CheckpointerBase):
             link=link,
             keep_interval=keep_interval,
             replicas=replica_count,
+            check_finite=check_finite,
+            validate=validate,
         )
 
     # ------------------------------------------------------------------------ saving
@@ -175,22 +180,41 @@ class FsdpShardCheckpointer(CheckpointerBase):
 
     @progress.sectioned("checkpoint")
     def load_checkpoint(
-        self, state_dict: dict[str, Any], *, storage: bool = True
+        self,
+        state_dict: dict[str, Any],
+        *,
+        storage: bool = True,
+        validate: Validate | None = None,
     ) -> dict[str, Any]:
         """Loads the newest consistent step into `state_dict` in place (DCP semantics) and
-        returns it; {} when there is no checkpoint.  Every rank must call it."""
+        returns it; {} when there is no checkpoint.  Every rank must call it.  The loaded
+        state is checked as `DdpCheckpointer.load_checkpoint` checks it (each rank its own
+        shards): a rejected step is replaced by the next older one."""
         loaded = self.load_with(
-            lambda reader: dcp.load(state_dict, storage_reader=reader), storage=storage
+            lambda reader: dcp.load(state_dict, storage_reader=reader),
+            storage=storage,
+            state=lambda: state_dict,
+            validate=validate,
         )
         return state_dict if loaded else {}
 
-    def load_with(self, load: Callable[[Any], object], *, storage: bool = True) -> bool:
+    def load_with(
+        self,
+        load: Callable[[Any], object],
+        *,
+        storage: bool = True,
+        state: Callable[[], Any] | None = None,
+        validate: Validate | None = None,
+    ) -> bool:
         """Runs `load(reader)`, a collective load of the caller's making over a DCP
         StorageReader (several `dcp.load` calls, FSDP's `load_sharded_optimizer_state_dict`),
         on the step every rank agrees on, stepping back together when it fails on any rank.
         False when there is no checkpoint (memory only with `storage=False`).  Every rank must
-        call it."""
+        call it.  With `state` (what the load filled, e.g. the state dicts it loaded into),
+        that is checked after each load (`restore_check`); without it nothing is."""
         t0 = time.perf_counter()
+        check = self._check_for(validate) if state is not None else None
+        checked = None if check is None or state is None else _checking(check, state)
 
         def from_memory(held: StepBytes) -> Load:
             reader = ShmStorageReader(held)
@@ -203,9 +227,18 @@ class FsdpShardCheckpointer(CheckpointerBase):
             signature = int(save_id, 16) if _is_hex(save_id) else 0
             return lambda: (_collective_load(load, reader), signature)
 
-        source, step, _ = self._load_agreed(from_memory, from_storage, storage=storage)
+        source, step, _ = self._load_agreed(
+            from_memory, from_storage, storage=storage, check=checked
+        )
         self._report_restored(source, step, t0)
         return source != Source.NONE
+
+
+def _checking(
+    check: Callable[[Any], str | None], state: Callable[[], Any]
+) -> Callable[[Any], str | None]:
+    """The check of what a load filled (the load itself returns no state)."""
+    return lambda _: check(state())
 
 
 def _collective_load(load: Callable[[Any], object], reader: Any) -> bool:

@@ -23,6 +23,13 @@ committed steps newest first.  Each try has two phases with a vote after each: `
 the peer transfers, then the load, like DCP's).  When any rank fails, all ranks move on to the
 next candidate together: no rank ever falls back alone, so the collectives of a load always
 match.
+
+A loaded state is then checked on every rank (`restore_check`: non-finite tensors, the user's
+`validate`), inside the same vote.  A state rejected on any rank is never trained on: every
+rank moves to the next *older* step (the same step elsewhere holds the same bytes), from
+memory when some rank still holds every part of one (a node's second buffer keeps the step
+before its newest) and it is not older than the newest committed step below, else from
+storage; each rejection is reported (`Rejection`).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import heapq
 import logging
 import pickle
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -55,8 +62,11 @@ RESTORE_ERRORS = (
 
 #: the load proper, returning the state and the token of the save it came from
 Load = Callable[[], tuple[Any, int]]
-#: local preparation of a load from (source, step); raises when this rank cannot load it
-Prepare = Callable[["Source", int], Load]
+#: local preparation of a load from (source, step, the memory plan in force); raises when
+#: this rank cannot load it
+Prepare = Callable[["Source", int, "Choice"], Load]
+#: why this rank rejects a loaded state (None: it passes); `restore_check.RestoreCheck`
+Check = Callable[[Any], "str | None"]
 
 
 class Source(enum.Enum):
@@ -160,15 +170,20 @@ class Choice:
         return [t for t in self.transfers if t.src == rank]
 
 
-def memory_step(ranks: Sequence[Holdings], committed_max: int) -> tuple[int, int] | None:
-    """The newest (step, save token), not older than `committed_max`, of which some rank
-    holds every part some rank needs (pure); None when no step qualifies.
+def memory_step(
+    ranks: Sequence[Holdings], committed_max: int, *, below: int | None = None
+) -> tuple[int, int] | None:
+    """The newest (step, save token), not older than `committed_max` (and older than
+    `below`, when given), of which some rank holds every part some rank needs (pure); None
+    when no step qualifies.
 
     Saves are tried newest step first; two saves of one step (a rollback that saved it again)
     are tried in token order, the same on every rank.  Parts of different saves never mix."""
     held = {p.key for h in ranks for p in h.memory}
     needed = {h.need for h in ranks}
     for step, save in sorted({p.key[:2] for h in ranks for p in h.memory}, reverse=True):
+        if below is not None and step >= below:
+            continue
         if step < committed_max:
             break
         if all((step, save, *need) in held for need in needed):
@@ -203,6 +218,26 @@ def assign_senders(ranks: Sequence[Holdings], step: int, save: int) -> tuple[Tra
         heapq.heapreplace(heap, (sent[src], src))
         transfers.append(Transfer(src=src, dst=rank, part=part, parts=parts, nbytes=nbytes))
     return tuple(transfers)
+
+
+def plan_older(
+    ranks: Sequence[Holdings], *, below: int, storage_next: int, token: int
+) -> Choice | None:
+    """After the state of step `below` was rejected: the memory plan of the newest older
+    step some rank holds every part of, when it is not older than `storage_next` (the next
+    committed step every rank proposes); None when storage's is the next one (pure)."""
+    found = memory_step(ranks, storage_next, below=below)
+    if found is None:
+        return None
+    step, save = found
+    return Choice(
+        source=Source.MEMORY,
+        step=step,
+        token=token,
+        storage_step=storage_next,
+        save=save,
+        transfers=assign_senders(ranks, step, save),
+    )
 
 
 def plan_restore(ranks: Sequence[Holdings]) -> Choice:
@@ -276,9 +311,14 @@ class Agreement:
         return -self.max([-int(bool(flag))])[0] == 1
 
 
+def gather_holdings(agreement: Agreement, mine: Holdings) -> list[Holdings]:
+    """Two collectives: every rank's holdings, in rank order."""
+    return [Holdings.decode(v) for v in agreement.gather(mine.encode())]
+
+
 def choose(agreement: Agreement, mine: Holdings) -> Choice:
     """Two collectives: the choice every rank makes from every rank's holdings."""
-    return plan_restore([Holdings.decode(v) for v in agreement.gather(mine.encode())])
+    return plan_restore(gather_holdings(agreement, mine))
 
 
 def next_candidate(agreement: Agreement, local: Iterable[int], below: int) -> int:
@@ -287,48 +327,148 @@ def next_candidate(agreement: Agreement, local: Iterable[int], below: int) -> in
     return -agreement.max([-mine])[0]
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Rejection:
+    """A step whose loaded state failed the check on some rank (every rank knows of it)."""
+
+    step: int
+    #: this rank's source of the rejected try
+    source: Source
+    #: the lowest rank that rejected it
+    by_rank: int
+    #: this rank's reason; None when only other ranks rejected it
+    why: str | None
+    #: the token of the rejected save (a memory step); -1 for a step from storage
+    save: int
+    #: what every rank tries next: (source, step); (NONE, -1) when nothing is left
+    next_source: Source
+    next_step: int
+
+
+class Restored(NamedTuple):
+    """What the agreed restore loaded: this rank's source, the step, the state, and the
+    memory plan the step came from (its `save`; the first choice for storage)."""
+
+    source: Source
+    step: int
+    result: Any
+    plan: Choice
+
+
 def restore_agreed(
-    agreement: Agreement, choice: Choice, committed: Iterable[int], prepare: Prepare
-) -> tuple[Source, int, Any]:
+    agreement: Agreement,
+    choice: Choice,
+    committed: Iterable[int],
+    prepare: Prepare,
+    *,
+    check: Check | None = None,
+    ranks: Sequence[Holdings] = (),
+    on_rejected: Callable[[Rejection], None] | None = None,
+) -> Restored:
     """Loads the chosen step, else steps back together with the other ranks (the memory step
     falls back to storage; a storage step to the next older committed one) until every rank
-    succeeds; returns (this rank's source, step, state), or (NONE, -1, None).  `prepare` is
-    called with PEER on the ranks that receive their part of the memory step."""
+    succeeds; returns (this rank's source, step, state, plan), or (NONE, -1, None, choice).
+    `prepare` is called with PEER on the ranks that receive their part of a memory step.
+
+    With `check`, a loaded state that any rank rejects sends every rank to the next older
+    step: from memory when `ranks` (the gathered holdings) show one (`plan_older`), else from
+    storage; `on_rejected` hears of each rejection."""
     steps = sorted(set(committed), reverse=True)
-    source, step = choice.source, choice.step
+    plan, source, step = choice, choice.source, choice.step
     while source != Source.NONE:
-        mine = choice.source_of(agreement.rank) if source == Source.MEMORY else source
-        loaded, result = _attempt(agreement, prepare, mine, step)
-        if loaded:
-            return mine, step, result
-        if source == Source.MEMORY:
-            source, step = Source.STORAGE, choice.storage_step
+        mine = plan.source_of(agreement.rank) if source == Source.MEMORY else source
+        outcome = _attempt(agreement, prepare, mine, step, plan, check)
+        if outcome.loaded:
+            return Restored(mine, step, outcome.result, plan)
+        rejected, save = step, plan.save if source == Source.MEMORY else -1
+        if outcome.rejected_by is not None:
+            storage_next = next_candidate(agreement, steps, step)
+            older = plan_older(ranks, below=step, storage_next=storage_next, token=choice.token)
+            if older is not None:
+                plan, source, step = older, Source.MEMORY, older.step
+            else:
+                source, step = Source.STORAGE, storage_next
+        elif source == Source.MEMORY:
+            source = Source.STORAGE  # the same step, or the newest committed before it
+            if plan is not choice:
+                step = next_candidate(agreement, steps, step + 1)
+            else:
+                step = choice.storage_step
         else:
             step = next_candidate(agreement, steps, step)
         if step < 0:
             source = Source.NONE
-    return Source.NONE, -1, None
+        if outcome.rejected_by is not None and on_rejected is not None:
+            on_rejected(
+                Rejection(
+                    step=rejected,
+                    source=mine,
+                    by_rank=outcome.rejected_by,
+                    why=outcome.why,
+                    save=save,
+                    next_source=source,
+                    next_step=step if source != Source.NONE else -1,
+                )
+            )
+    return Restored(Source.NONE, -1, None, choice)
 
 
-def _attempt(agreement: Agreement, prepare: Prepare, source: Source, step: int) -> tuple[bool, Any]:
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Outcome:
+    loaded: bool
+    result: Any = None
+    #: the lowest rank that rejected the loaded state (None: no rank did)
+    rejected_by: int | None = None
+    #: this rank's reason for rejecting it
+    why: str | None = None
+
+
+def _attempt(
+    agreement: Agreement,
+    prepare: Prepare,
+    source: Source,
+    step: int,
+    plan: Choice,
+    check: Check | None,
+) -> _Outcome:
     """One agreed try: the same number of collectives on every rank, whatever fails where."""
     load: Load | None = None
     error: BaseException | None = None
     try:
-        load = prepare(source, step)
+        load = prepare(source, step, plan)
     except RESTORE_ERRORS as exc:
         error = exc
     if agreement.all(error is None):
         assert load is not None
         result: Any = None
         signature = -1
+        why: str | None = None
         try:
             result, signature = load()
         except RESTORE_ERRORS as exc:
             error = exc
-        failed, high, neg_low = agreement.max([int(error is not None), signature, -signature])
+        if error is None and check is not None:
+            try:
+                why = check(result)
+            except Exception as exc:  # a rank that raised here would leave the others waiting
+                logger.exception("checkpoint restore_check_failed step=%d", step)
+                why = f"the check itself failed: {type(exc).__name__}: {exc}"
+        world, rank = agreement.world, agreement.rank
+        failed, neg_by, high, neg_low = agreement.max(
+            [int(error is not None), -(rank if why is not None else world), signature, -signature]
+        )
+        if -neg_by < world:
+            logger.warning(
+                "checkpoint restore_rejected source=%s step=%d rank=%d why=%s: every rank "
+                "moves on to an older step together",
+                source.value,
+                step,
+                -neg_by,
+                why if why is not None else "another rank rejected it",
+            )
+            return _Outcome(loaded=False, rejected_by=-neg_by, why=why)
         if not failed and high == -neg_low:
-            return True, result
+            return _Outcome(loaded=True, result=result)
         if not failed:
             error = CheckpointError(f"the ranks' parts of step {step} come from different saves")
     logger.warning(
@@ -338,4 +478,4 @@ def _attempt(agreement: Agreement, prepare: Prepare, source: Source, step: int) 
         step,
         error if error is not None else "another rank could not load it",
     )
-    return False, None
+    return _Outcome(loaded=False)

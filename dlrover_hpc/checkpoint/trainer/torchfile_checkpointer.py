@@ -39,6 +39,7 @@ from dlrover_hpc.checkpoint.saver.segments import HEADER_SIZE, Segment, needed_s
 from dlrover_hpc.checkpoint.trainer.checkpointer import CheckpointerBase
 from dlrover_hpc.checkpoint.trainer.cuda import DeviceSnapshot, cuda_device, target_device
 from dlrover_hpc.checkpoint.trainer.restore_agreement import Load, Source
+from dlrover_hpc.checkpoint.trainer.restore_check import Validate
 from dlrover_hpc.checkpoint.trainer.restored_state import (
     StepBytes,
     merge_into,
@@ -73,6 +74,8 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
         device_snapshot: bool | None = None,
         keep_interval: int | None = None,
         replica_count: int = 0,
+        check_finite: bool = True,
+        validate: Validate | None = None,
     ) -> None:
         super().__init__(
             checkpoint_dir,
@@ -88,6 +91,8 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
             device_snapshot=device_snapshot,
             keep_interval=keep_interval,
             replicas=replica_count,
+            check_finite=check_finite,
+            validate=validate,
         )
         self.weights_only = weights_only
         self._layout: TorchFileLayout | None = None
@@ -346,13 +351,20 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
         weights_only: bool | None = None,
         memory: bool = True,
         storage: bool = True,
+        validate: Validate | None = None,
     ) -> dict[str, Any]:
         """The newest consistent step: from memory when some rank holds it (a rank that lacks
         it receives it from one that holds it), else the newest committed step on storage ({}
         when there is none).  Tensors are copied into the
         matching tensors of `state_dict` when given, else into fresh memory.  Every rank must
         call it; `memory=False` reads storage only, `storage=False` memory only;
-        `resume_path` reads that file."""
+        `resume_path` reads that file (unchecked: the caller named it).
+
+        The state is checked before it is returned (`restore_check`): a NaN or an infinity
+        in a floating tensor (unless the checkpointer was made with check_finite=False), or
+        `validate(state)` (this call's, else the constructor's) returning False, rejects the
+        step on every rank, and the next older step is loaded instead (a `restore_rejected`
+        event each).  `RestoreRejectedError` when no step is left and some was rejected."""
         t0 = time.perf_counter()
         wo = self.weights_only if weights_only is None else weights_only
         engine = self._engine
@@ -380,7 +392,11 @@ class _TorchFileCheckpointer(CheckpointerBase, abc.ABC):
             return lambda: (result, record.token)
 
         source, step, result = self._load_agreed(
-            from_memory, from_storage, memory=memory, storage=storage
+            from_memory,
+            from_storage,
+            memory=memory,
+            storage=storage,
+            check=self._check_for(validate),
         )
         self._report_restored(source, step, t0, target_device(state_dict))
         if source == Source.NONE:

@@ -45,7 +45,8 @@ ddp.DdpCheckpointer(checkpoint_dir, local_shard_num=1, global_shard_num=1, comm_
                        REFUSED: other CheckpointStorage classes (the saver writes through
                        fsspec: give an fsspec URL as checkpoint_dir).
   **options          ours, passed on: env, events, tag, keep_last, keep_interval, verify,
-                       weights_only, device_snapshot, copy_threads, io_threads.
+                       weights_only, device_snapshot, copy_threads, io_threads,
+                       check_finite (default True), validate (a function of the state).
   save_checkpoint(step, state_dict, path="", storage_type=StorageType.DISK)
                      ACCEPTED.  path: the file rank 0's state goes to, default
                        `<checkpoint_dir>/<step>/rank_<rank>.pt`; for a MEMORY save, where it
@@ -59,6 +60,13 @@ ddp.DdpCheckpointer(checkpoint_dir, local_shard_num=1, global_shard_num=1, comm_
                        newest committed step (found by its commit record, so a step saved to
                        a custom path loads too); {} when none.  A step that fails to load on
                        any rank makes every rank step back to an older one together.
+  load_checkpoint(resume_path="", *, validate=None)
+                     Ours, beyond DLRover: the loaded state is checked (a NaN or an infinity
+                       in a floating tensor, unless check_finite=False; `validate(state)`, this
+                       call's or the constructor's); a step rejected on any rank is replaced
+                       by the next older one on every rank (`restore_rejected` events);
+                       RestoreRejectedError when none is left.  FsdpShardCheckpointer's and
+                       FsdpFullCheckpointer's load_checkpoint take validate= too.
   wait_latest_checkpoint(timeout=1800)
                      ACCEPTED; returns True once the newest DISK save is committed, False on
                        timeout (DLRover returns None).

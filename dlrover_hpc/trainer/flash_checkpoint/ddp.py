@@ -112,14 +112,18 @@ class DdpCheckpointer(Checkpointer):
             )
         return posixpath.dirname(path)
 
-    def load_checkpoint(self, resume_path: str = "") -> dict[str, Any]:
+    def load_checkpoint(self, resume_path: str = "", *, validate: Any = None) -> dict[str, Any]:
         """The newest step held in memory on any node (every rank agrees on it; a rank whose
         node lacks it receives it from a peer); without one, `resume_path` when given (a
         torch.save file; {} when it does not exist), else the newest committed step on
-        storage ({} when there is none).  Every rank must call it."""
+        storage ({} when there is none).  Every rank must call it.
+
+        A step whose state holds a NaN or an infinity (unless made with check_finite=False),
+        or for which `validate(state)` (this call's, else the constructor's `validate=`)
+        returns False, is rejected and the next older one loaded (`restore_rejected`)."""
         if not resume_path:
-            return self._ckpt.load_checkpoint()
-        state = self._ckpt.load_checkpoint(storage=False)
+            return self._ckpt.load_checkpoint(validate=validate)
+        state = self._ckpt.load_checkpoint(storage=False, validate=validate)
         if state:
             return state
         storage = self._ckpt.engine.storage

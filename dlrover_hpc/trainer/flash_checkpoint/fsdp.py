@@ -98,12 +98,17 @@ class FsdpShardCheckpointer(Checkpointer):
         path = path or posixpath.join(self.checkpoint_dir, str(step))
         return self._ckpt.save_checkpoint(step, state_dict, path, storage_type)
 
-    def load_checkpoint(self, model: Any, optimizer: Any, resume_path: str = "") -> dict[str, Any]:
+    def load_checkpoint(
+        self, model: Any, optimizer: Any, resume_path: str = "", *, validate: Any = None
+    ) -> dict[str, Any]:
         """Loads the model's and the optimizer's sharded state in place from the newest step
         held in memory (every rank agrees on it); without one, from the DCP directory
         `resume_path` when given (else the newest committed step on storage).  Returns
-        `{"step": step}` (DLRover's), {} when there is no checkpoint.  Every rank calls it."""
+        `{"step": step}` (DLRover's), {} when there is no checkpoint.  Every rank calls it.
+        Each rank checks its shards of what was loaded (`{"model", "optim", ...}`: non-finite
+        values, `validate`); a rejected step is replaced by the next older one."""
         loaded: dict[str, Any] = {}
+        checked: dict[str, Any] = {}
 
         def load(reader: Any) -> None:
             state_dict = {"model": model.state_dict(), "step": 0}
@@ -119,9 +124,13 @@ class FsdpShardCheckpointer(Checkpointer):
                 optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, optim_sd))
             loaded.clear()
             loaded.update(state_dict)
+            checked.clear()
+            checked.update(state_dict, model=model_sd, optim=optim_sd)
 
         with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-            if self._ckpt.load_with(load, storage=not resume_path):
+            if self._ckpt.load_with(
+                load, storage=not resume_path, state=lambda: checked, validate=validate
+            ):
                 return loaded
             storage = self._ckpt.engine.storage
             if not resume_path or not storage.exists(storage.path(resume_path)):
@@ -194,11 +203,13 @@ class FsdpFullCheckpointer(Checkpointer):
         state_dict.update(extra_sd or {})
         return self._ddp.save_checkpoint(step, state_dict, path, storage_type)
 
-    def load_checkpoint(self, model: Any, optimizer: Any, resume_path: str = "") -> dict[str, Any]:
+    def load_checkpoint(
+        self, model: Any, optimizer: Any, resume_path: str = "", *, validate: Any = None
+    ) -> dict[str, Any]:
         """Loads the newest step (memory, else `resume_path`, else storage) into the model and
         the optimizer; returns the rest of the saved dict (`extra_sd`), {} when there is no
-        checkpoint.  Every rank must call it."""
-        state_dict = self._ddp.load_checkpoint(resume_path)
+        checkpoint.  Every rank must call it.  Checked as `DdpCheckpointer.load_checkpoint`."""
+        state_dict = self._ddp.load_checkpoint(resume_path, validate=validate)
         if not state_dict:
             return {}
         model_state_dict = state_dict.pop("model", {})
