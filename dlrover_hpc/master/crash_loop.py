@@ -211,7 +211,8 @@ class RoundTally:
     def cause(self) -> Failure | None:
         """The first failure that is not a peer's symptom, else the first."""
         own = [f for f in self._failures if f.classification != d.PEER]
-        return (own or self._failures or [None])[0]
+        first = own or self._failures
+        return first[0] if first else None
 
     def end(self, *, world_size: int, committed: int) -> RoundEnd:
         every = len(self._saved) >= world_size > 0

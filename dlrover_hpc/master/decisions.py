@@ -201,9 +201,7 @@ def worker_failed(
         return [*actions, OpenRound(Phase.RESTARTING, reason), ChargeLater(reason)]
     return [
         *actions,
-        *charge(
-            restart_count=restart_count, max_restarts=max_restarts, reason=reason, loop=loop
-        ),
+        *charge(restart_count=restart_count, max_restarts=max_restarts, reason=reason, loop=loop),
     ]
 
 

@@ -303,6 +303,7 @@ class Job:
         self.poke()
 
     def exclude(self, node: str, reason: str) -> None:
+        log.warning("node excluded node=%s reason=%s", node, reason)
         self.excluded_nodes.add(node)
         self._charge.cancel()  # a node left: a pending peer-lost charge was its symptom
         self._record(excluded_nodes=sorted(self.excluded_nodes))
@@ -553,13 +554,13 @@ class Job:
             opened_at=self._opened_at,
             now=self.clock(),
         )
-        if decision.kind is DecisionKind.COMPLETE:
-            # The ended round is judged before the next forms (crash_loop): a crash loop ends
-            # the job; a node excluded for it leaves, and the next step forms without it.
-            if loop := self.loops.round_ended(**self.loop_facts()):
-                self.apply(loop)
-                self.poke()
-                return None
+        # The ended round is judged before the next forms (crash_loop): a crash loop ends the
+        # job; a node excluded for it leaves, and the next step forms the round without it.
+        complete = decision.kind is DecisionKind.COMPLETE
+        if complete and (loop := self.loops.round_ended(**self.loop_facts())):
+            self.apply(loop)
+            self.poke()
+            return None
         needs = self.netcheck.needs_check(decision.chosen, self.round + 1)
         return self.apply(d.form_round(decision, params=self.params, needs_netcheck=needs))
 
