@@ -87,8 +87,10 @@ def test_a_segfault_at_the_same_step_in_every_attempt_ends_as_a_crash_loop(
 
     # Requeued after it ended (an admin, or Slurm for a node failure): the template sees the
     # crash loop's verdict and exits with it at once, without training again.
+    # (A batch job started again within the second its credential was revoked at its end is
+    # killed by slurmd, "Job credential revoked": begin a few seconds on, not at once.)
     subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
-    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], timeout=30)
+    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now+3"], timeout=30)
     wait_for(
         lambda: job_fields(job).get("Restarts", "0") != "0",
         timeout_s=60,
@@ -96,5 +98,12 @@ def test_a_segfault_at_the_same_step_in_every_attempt_ends_as_a_crash_loop(
         interval_s=0.5,
     )
     again = wait_job(job, timeout_s=180)
-    assert again["JobState"] == "FAILED" and again["ExitCode"] == f"{EXIT_CODE}:0", again
+    ctld = (local_slurm.config.state_dir / "log" / "slurmctld.log").read_text().splitlines()
+    seen = "\n".join(line for line in ctld if job in line)[-3000:]
+    out = (shared_tmp / f"slurm-{job}.out").read_text()
+    assert again["JobState"] == "FAILED" and again["ExitCode"] == f"{EXIT_CODE}:0", (
+        again["ExitCode"],
+        seen,
+        out[-2000:],
+    )
     assert len(named(events(job_dir), "job_started")) == 1, "a requeued crash loop trained again"
