@@ -39,6 +39,7 @@ _FIELDS: Mapping[str, tuple[Mapping[str, Kind], Mapping[str, Kind]]] = {
     EventName.CHECKPOINT_PERSISTED: ({"step": Kind.INT}, {"persist_s": Kind.NUMBER}),
     EventName.CHECKPOINT_RESTORED: ({"step": Kind.INT}, {"restore_s": Kind.NUMBER}),
     EventName.NETCHECK_RESULT: ({}, {"seconds": Kind.NUMBER}),
+    EventName.CRASH_LOOP: ({"rounds": Kind.INT}, {"rank": Kind.INT}),
 }
 #: Any event may name its node; a hang names its suspect.
 _ANY: Mapping[str, Kind] = {"node": Kind.NODE, "suspected_node": Kind.NODE}

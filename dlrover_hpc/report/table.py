@@ -102,7 +102,10 @@ def node_table(r: Report) -> Table:
 
 
 def render(r: Report) -> Group:
-    return Group(headline(r), time_table(r), counts_table(r), checkpoint_table(r), node_table(r))
+    parts = [headline(r), time_table(r), counts_table(r), checkpoint_table(r), node_table(r)]
+    if r.repeated_failure:
+        parts.insert(1, Text(f"crash loop: {r.repeated_failure}", style="bold red"))
+    return Group(*parts)
 
 
 def print_report(r: Report, console: Console | None = None) -> None:
