@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 from collections.abc import Collection, Sequence
 
 from dlrover_hpc.master import decisions as d
 from dlrover_hpc.protocol import messages as m
+
+log = logging.getLogger(__name__)
 
 #: The job's exit code when the guard stopped it: not 0/1/2, not a signal's 128+N; the job
 #: template never requeues or continues a job that ended with it.
@@ -89,7 +92,9 @@ class Guard:
     """What the guard remembers between rounds."""
 
     rounds: int  # K: failed rounds in a row without progress that stop the job; 0: off
-    best_step: int = -1  # the furthest training step of any round so far
+    #: the furthest training step of any round so far; a fresh job's ranks report step 0 as
+    #: they start, before training one, so reaching step 0 is no progress
+    best_step: int = 0
     best_checkpoint: int = -1  # the newest step committed, or in memory on every rank
     streak: tuple[Failure, ...] = ()  # the failed rounds in a row without progress, oldest first
     window: tuple[Failure | None, ...] = ()  # the causes of the last K rounds (None: no failure)
@@ -199,7 +204,7 @@ class RoundTally:
             return
         steps, saved = self._steps, self._saved
         for p in ranks:
-            if p.step > steps.get(p.rank, -1):
+            if p.at > 0 and p.step > steps.get(p.rank, -1):  # at 0: no step reported yet
                 steps[p.rank] = p.step
             if p.saved_step > saved.get(p.rank, -1):
                 saved[p.rank] = p.saved_step
@@ -243,7 +248,17 @@ class LoopWatch:
             return []
         self._judged = self.tally.round
         end = self.tally.end(world_size=world_size, committed=committed)
+        why = progress(self.guard, end)
         self.guard, actions = judge(self.guard, end, usable=usable, min_nodes=min_nodes)
+        if end.failure is not None:
+            log.info(
+                "round judged round=%d failed_first=%s progress=%s failed_in_a_row=%d/%d",
+                end.round,
+                end.failure.describe(),
+                why or "none",
+                len(self.guard.streak),
+                self.guard.rounds,
+            )
         return actions
 
     def failing_now(

@@ -131,9 +131,10 @@ def excluded(node: str, a: int, b: int, failure: cl.Failure, k: int = 3) -> d.Ex
             ],
             id="node-lost-at-the-same-point",
         ),
-        # A crash before any step: round 1 already made no progress.
+        # A crash before any step (no report, or step 0: where a fresh job's ranks start):
+        # round 1 already made no progress.
         pytest.param(
-            [segv(1, step=-1), segv(2, step=-1), segv(3, step=-1)],
+            [segv(1, step=-1), segv(2, step=0), segv(3, step=0)],
             {"usable": ("n1", "n2")},
             [[], [], stopped(fail(1), fail(2), fail(3))],
             id="crash-before-the-first-step",
@@ -243,8 +244,8 @@ def test_error_line(reason: str, line: str) -> None:
     assert cl.error_line(reason) == line
 
 
-def _p(rank: int, step: int, saved: int = -1) -> m.RankProgress:
-    return m.RankProgress(rank=rank, step=step, stalled_s=0.0, saved_step=saved)
+def _p(rank: int, step: int, saved: int = -1, at: float = 1.0) -> m.RankProgress:
+    return m.RankProgress(rank=rank, step=step, stalled_s=0.0, saved_step=saved, at=at)
 
 
 @pytest.mark.parametrize(
@@ -260,6 +261,8 @@ def _p(rank: int, step: int, saved: int = -1) -> m.RankProgress:
         # Every rank holds a step in memory: the oldest of them; one rank silent: unknown.
         ([(1, [_p(0, 5, 5), _p(1, 5, 10)])], [], 2, end(1, None, step=5, saved=5, committed=7)),
         ([(1, [_p(0, 5, 5)])], [], 2, end(1, None, step=5, saved=-1, committed=7)),
+        # A rank that has not stepped yet (no step time) reached no step.
+        ([(1, [_p(0, 0, at=0.0), _p(1, 0, at=0.0)])], [], 2, end(1, None, step=-1, committed=7)),
         # A report of another round is not this round's.
         ([(2, [_p(0, 50, 50)])], [], 1, end(1, None, step=-1, saved=-1, committed=7)),
         # The cause: the first failure that is not a peer's symptom.

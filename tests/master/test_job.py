@@ -528,7 +528,9 @@ def _steps(h: Harness, agents: list[str], step: int) -> None:
     """Every rank of the running round reports ``step`` (a heartbeat per agent)."""
     for agent in agents:
         first = h.job.nodes[agent].rank * 2
-        ranks = [m.RankProgress(rank=r, step=step, stalled_s=0.0) for r in (first, first + 1)]
+        ranks = [
+            m.RankProgress(rank=r, step=step, stalled_s=0.0, at=1.0) for r in (first, first + 1)
+        ]
         h.agents.heartbeat(m.Heartbeat(agent_id=agent, round=h.job.round, progress=ranks))
 
 
@@ -544,7 +546,7 @@ def _crash(h: Harness, agent: str, *, kind: str = "software", reason: str = SEGV
             signal="SIGSEGV" if kind == "software" else None,
             classification=kind,
             reason=reason,
-            progress=[m.RankProgress(rank=rank, step=4, stalled_s=0.0)],
+            progress=[m.RankProgress(rank=rank, step=4, stalled_s=0.0, at=1.0)],
         )
     )
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runtime_helpers import events, job_fields, named, sbatch, wait_job
+from runtime_helpers import BIN, events, job_fields, named, sbatch, wait_job
 
 from dlrover_hpc.localslurm import LocalSlurm, wait_for
 from dlrover_hpc.master.crash_loop import EXIT_CODE
@@ -107,3 +107,35 @@ def test_a_segfault_at_the_same_step_in_every_attempt_ends_as_a_crash_loop(
         out[-2000:],
     )
     assert len(named(events(job_dir), "job_started")) == 1, "a requeued crash loop trained again"
+
+
+def test_standalone_crash_loop_exits_3_with_the_failure_named(tmp_path: Path) -> None:
+    """No Slurm: rank 0 exits 3 at start in every attempt (no step, so round 1 makes no
+    progress either); --max-restarts=9 would allow 9 more."""
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import os, sys\n"
+        "if os.environ['LOCAL_RANK'] == '0':\n"
+        "    raise RuntimeError('bad config: no such dataset /data/x')\n"
+    )
+    proc = subprocess.run(
+        [
+            str(BIN / "dlrover-run"),
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=9",
+            f"--job-dir={tmp_path / 'job'}",
+            str(bad),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == EXIT_CODE, proc.stderr[-3000:]
+    evs = events(tmp_path / "job")
+    [loop] = named(evs, "crash_loop")
+    assert (loop["rounds"], loop["rank"], loop["classification"]) == (3, 0, "software"), loop
+    assert "RuntimeError: bad config: no such dataset /data/x" in loop["error"], loop
+    assert len(named(evs, "rendezvous_complete")) == 3
+    assert "crash loop: 3 rounds in a row (rounds 1-3)" in named(evs, "job_finished")[-1]["reason"]
