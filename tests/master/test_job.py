@@ -534,8 +534,12 @@ def _steps(h: Harness, agents: list[str], step: int) -> None:
         h.agents.heartbeat(m.Heartbeat(agent_id=agent, round=h.job.round, progress=ranks))
 
 
-def _crash(h: Harness, agent: str, *, kind: str = "software", reason: str = SEGV) -> None:
+def _crash(
+    h: Harness, agent: str, *, kind: str = "software", reason: str = SEGV, step: int = 4
+) -> None:
+    """``agent``'s first worker fails; its final report says it reached ``step`` (-1: none)."""
     rank = h.job.nodes[agent].rank * 2
+    final = [m.RankProgress(rank=rank, step=step, stalled_s=0.0, at=1.0)] if step >= 0 else []
     h.agents.worker_failed(
         m.WorkerFailed(
             agent_id=agent,
@@ -546,7 +550,7 @@ def _crash(h: Harness, agent: str, *, kind: str = "software", reason: str = SEGV
             signal="SIGSEGV" if kind == "software" else None,
             classification=kind,
             reason=reason,
-            progress=[m.RankProgress(rank=rank, step=4, stalled_s=0.0, at=1.0)],
+            progress=final,
         )
     )
 
@@ -677,3 +681,43 @@ def test_a_node_lost_at_the_same_point_is_excluded_then_the_loop_ends(tmp_path: 
     run(body)
     (tmp_path / "min").mkdir()
     run(at_min)
+
+
+class _Continuer:
+    """Our Continuer's one call that conclude makes, recorded (no Slurm)."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def continue_job(self, plan: Any, kept: int) -> str:
+        self.calls.append(kept)
+        return "43"
+
+
+@pytest.mark.parametrize("loop", [True, False])
+def test_a_job_ended_by_a_crash_loop_is_never_continued(tmp_path: Path, loop: bool) -> None:
+    """A time limit's stop is under way when the guard stops the job: no continuation (and
+    without the crash loop, the forced end of the same stop is continued)."""
+    from dlrover_hpc.master.stopping import GracefulStop
+    from dlrover_hpc.master.steps import StepLog
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2", crash_loop_rounds=1)
+        agents = h.start("n1", "n2")
+        stopper = GracefulStop(h.job, StepLog(h.job.emit), lambda *_: None, lead_s=90.0)
+        continuer = _Continuer()
+        stopper.continuer = continuer  # type: ignore[assignment]
+        stopper.request(None, "USR1")
+        if loop:
+            _crash(h, agents[0], step=-1)  # no step: the round made no progress
+            h.rejoin(agents)
+            h.settle(1.5)
+            assert h.job.exit_code == 3
+        else:
+            h.clock.now += 1.0
+            stopper.forced = True
+            h.job.finish(0, "deadline reached before a save")
+        assert stopper.conclude() == (None if loop else "43")
+        assert continuer.calls == ([] if loop else [-1])
+
+    run(body)
