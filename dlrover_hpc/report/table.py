@@ -102,10 +102,11 @@ def node_table(r: Report) -> Table:
 
 
 def render(r: Report) -> Group:
-    parts = [headline(r), time_table(r), counts_table(r), checkpoint_table(r), node_table(r)]
-    if r.repeated_failure:
-        parts.insert(1, Text(f"crash loop: {r.repeated_failure}", style="bold red"))
-    return Group(*parts)
+    loop = (
+        [Text(f"crash loop: {r.repeated_failure}", style="bold red")] if r.repeated_failure else []
+    )
+    tables = (time_table(r), counts_table(r), checkpoint_table(r), node_table(r))
+    return Group(headline(r), *loop, *tables)
 
 
 def print_report(r: Report, console: Console | None = None) -> None:

@@ -18,6 +18,8 @@ from dlrover_hpc.master.job import Job
 from dlrover_hpc.master.journal import EventLog, Journal
 from dlrover_hpc.master.nodes import NodeState
 from dlrover_hpc.master.phases import Phase
+from dlrover_hpc.master.steps import StepLog
+from dlrover_hpc.master.stopping import GracefulStop
 from dlrover_hpc.master.stores import TorchStores
 from dlrover_hpc.protocol import messages as m
 
@@ -698,8 +700,6 @@ class _Continuer:
 def test_a_job_ended_by_a_crash_loop_is_never_continued(tmp_path: Path, loop: bool) -> None:
     """A time limit's stop is under way when the guard stops the job: no continuation (and
     without the crash loop, the forced end of the same stop is continued)."""
-    from dlrover_hpc.master.stopping import GracefulStop
-    from dlrover_hpc.master.steps import StepLog
 
     async def body() -> None:
         h = Harness(tmp_path, nnodes="2:2", crash_loop_rounds=1)
