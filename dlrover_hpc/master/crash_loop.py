@@ -99,6 +99,11 @@ class Guard:
     streak: tuple[Failure, ...] = ()  # the failed rounds in a row without progress, oldest first
     window: tuple[Failure | None, ...] = ()  # the causes of the last K rounds (None: no failure)
     excluded: frozenset[str] = frozenset()  # nodes this guard excluded
+    #: a round has reported a step, a save or a commit: the job's progress can be seen.  Until
+    #: then a round that reported nothing is not counted: with the worker hooks off
+    #: (``--no-worker-hooks``, ``--transparent``) and no progress calls or flash checkpoints,
+    #: the master cannot tell a crash loop from rounds that trained for hours
+    observed: bool = False
 
     def __post_init__(self) -> None:
         if self.rounds < 0:
@@ -135,11 +140,12 @@ def judge(
         best_step=max(guard.best_step, end.step),
         best_checkpoint=max(guard.best_checkpoint, end.committed, end.saved),
         window=(*guard.window, end.failure)[-guard.rounds :],
+        observed=guard.observed or max(end.step, end.saved, end.committed) >= 0,
     )
     failure = end.failure
     if why:  # progress breaks the run; a round that did not fail is neutral
         guard = dataclasses.replace(guard, streak=())
-    elif failure is not None:
+    elif failure is not None and guard.observed:
         guard = dataclasses.replace(guard, streak=(*guard.streak, failure))
         if len(guard.streak) >= guard.rounds:
             return guard, stop(guard.streak)

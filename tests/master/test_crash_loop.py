@@ -131,13 +131,43 @@ def excluded(node: str, a: int, b: int, failure: cl.Failure, k: int = 3) -> d.Ex
             ],
             id="node-lost-at-the-same-point",
         ),
-        # A crash before any step (no report, or step 0: where a fresh job's ranks start):
-        # round 1 already made no progress.
+        # A crash before any step (step 0: where a fresh job's ranks start): round 1 already
+        # made no progress.
         pytest.param(
-            [segv(1, step=-1), segv(2, step=0), segv(3, step=0)],
+            [segv(1, step=0), segv(2, step=0), segv(3, step=0)],
             {"usable": ("n1", "n2")},
             [[], [], stopped(fail(1), fail(2), fail(3))],
             id="crash-before-the-first-step",
+        ),
+        # ... once the job's progress has been seen, a round that reported nothing (a node lost
+        # before its ranks' first report) made none either.
+        pytest.param(
+            [
+                segv(1, step=0),
+                end(
+                    2, fail(2, "n3", rank=4, kind=cl.NODE_LOST, error="connection closed"), step=-1
+                ),
+                segv(3, step=-1),
+            ],
+            {"usable": ("n1", "n2")},
+            [
+                [],
+                [],
+                stopped(
+                    fail(1),
+                    fail(2, "n3", rank=4, kind=cl.NODE_LOST, error="connection closed"),
+                    fail(3),
+                ),
+            ],
+            id="silent-rounds-after-progress-was-seen",
+        ),
+        # No round ever reported a step, a save or a commit (the worker hooks off, no progress
+        # calls): the master cannot see progress, so it never calls it a loop.
+        pytest.param(
+            [segv(r, step=-1) for r in range(1, 7)],
+            {"usable": ("n1", "n2")},
+            [[]] * 6,
+            id="progress-never-seen",
         ),
         # Each round gets one step further: progress every time, never stopped.
         pytest.param(

@@ -709,7 +709,7 @@ def test_a_job_ended_by_a_crash_loop_is_never_continued(tmp_path: Path, loop: bo
         stopper.continuer = continuer  # type: ignore[assignment]
         stopper.request(None, "USR1")
         if loop:
-            _crash(h, agents[0], step=-1)  # no step: the round made no progress
+            _crash(h, agents[0], step=0)  # it never trained a step: no progress
             h.rejoin(agents)
             h.settle(1.5)
             assert h.job.exit_code == 3
