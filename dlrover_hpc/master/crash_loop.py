@@ -122,15 +122,21 @@ def progress(guard: Guard, end: RoundEnd) -> str:
 
 
 def judge(
-    guard: Guard, end: RoundEnd, *, usable: Collection[str], min_nodes: int
+    guard: Guard,
+    end: RoundEnd,
+    *,
+    usable: Collection[str],
+    min_nodes: int,
+    excluded: Collection[str] = (),
 ) -> tuple[Guard, list[d.Action]]:
     """Judge a round that ended (``end``): the guard after it, and what to do.
 
     ``usable``: the nodes that still count towards the job's capacity (alive, not excluded);
-    ``min_nodes``: the job's MIN.  Returns a :class:`~dlrover_hpc.master.decisions.CrashLoop`
-    and a :class:`~dlrover_hpc.master.decisions.Finish` when the round is the K-th failed one
-    in a row without progress; an :class:`~dlrover_hpc.master.decisions.Exclude` of its
-    cause's node when that node caused two of the window's rounds and the others are enough.
+    ``min_nodes``: the job's MIN; ``excluded``: nodes already out of the job.  Returns a
+    :class:`~dlrover_hpc.master.decisions.CrashLoop` and a
+    :class:`~dlrover_hpc.master.decisions.Finish` when the round is the K-th failed one in a
+    row without progress; an :class:`~dlrover_hpc.master.decisions.Exclude` of its cause's
+    node when that node caused two of the window's rounds and the others are enough.
     """
     if guard.rounds == 0:
         return guard, []
@@ -154,7 +160,8 @@ def judge(
     node = failure.node
     caused = [f.round for f in guard.window if f is not None and f.node == node]
     others = {n for n in usable if n != node}
-    if len(caused) >= 2 and node not in guard.excluded and len(others) >= min_nodes:
+    out = node in guard.excluded or node in excluded
+    if len(caused) >= 2 and not out and len(others) >= min_nodes:
         reason = (
             f"crash loop: it failed first in rounds {caused[-2]} and {caused[-1]} of the last "
             f"{guard.rounds} ({failure.describe()})"
@@ -247,7 +254,13 @@ class LoopWatch:
         self._judged = 0  # the newest round judged
 
     def round_ended(
-        self, *, world_size: int, committed: int, usable: Collection[str], min_nodes: int
+        self,
+        *,
+        world_size: int,
+        committed: int,
+        usable: Collection[str],
+        min_nodes: int,
+        excluded: Collection[str] = (),
     ) -> list[d.Action]:
         """The tallied round is over (the next one forms): judge it, once."""
         if self.tally.round in (0, self._judged):
@@ -255,7 +268,9 @@ class LoopWatch:
         self._judged = self.tally.round
         end = self.tally.end(world_size=world_size, committed=committed)
         why = progress(self.guard, end)
-        self.guard, actions = judge(self.guard, end, usable=usable, min_nodes=min_nodes)
+        self.guard, actions = judge(
+            self.guard, end, usable=usable, min_nodes=min_nodes, excluded=excluded
+        )
         if end.failure is not None:
             log.info(
                 "round judged round=%d failed_first=%s progress=%s failed_in_a_row=%d/%d",
@@ -268,7 +283,13 @@ class LoopWatch:
         return actions
 
     def failing_now(
-        self, *, world_size: int, committed: int, usable: Collection[str], min_nodes: int
+        self,
+        *,
+        world_size: int,
+        committed: int,
+        usable: Collection[str],
+        min_nodes: int,
+        excluded: Collection[str] = (),
     ) -> list[d.Action]:
         """The running round fails, and the job with it (no restart left): its stop as a
         crash loop if the round completes one, else nothing (the guard is left as it was)."""

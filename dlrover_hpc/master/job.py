@@ -472,6 +472,7 @@ class Job:
             "committed": self.last_committed,
             "usable": {n.node for n in self.nodes.values() if n.state in d.USABLE},
             "min_nodes": self.params.min_nodes,
+            "excluded": self.excluded_nodes,
         }
 
     def loop_now(self) -> list[d.Action]:

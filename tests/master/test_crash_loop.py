@@ -252,6 +252,15 @@ def test_the_stop_names_the_failure_most_rounds_share() -> None:
     )
 
 
+def test_a_node_already_out_of_the_job_is_not_excluded_again() -> None:
+    guard = cl.Guard(rounds=3)
+    for r in (1, 2):  # a hang rule, say, excluded n1 at its second hang
+        guard, actions = cl.judge(
+            guard, segv(r, step=r), usable=NODES, min_nodes=2, excluded={"n1"}
+        )
+        assert actions == []
+
+
 def test_a_node_is_excluded_once() -> None:
     guard = cl.Guard(rounds=5)
     said = []
