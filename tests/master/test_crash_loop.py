@@ -362,3 +362,14 @@ def test_watch_judges_each_round_once_and_the_job_failing_now_leaves_the_guard()
 def test_negative_rounds_are_refused() -> None:
     with pytest.raises(ValueError, match="0 \\(off\\) or more"):
         cl.Guard(rounds=-1)
+
+
+def test_the_exit_code_is_its_own_and_the_template_never_trains_after_it() -> None:
+    """Not 0/1/2 (ok, failed, bad input) nor a signal's 128+N; the job template's requeued
+    run stops at it (tests/runtime/test_crash_loop.py requeues a crash-looped job)."""
+    from dlrover_hpc.cli import template
+
+    assert cl.EXIT_CODE not in (0, 1, 2) and cl.EXIT_CODE < 128
+    script = (template.TEMPLATES / "train.sbatch").read_text()
+    assert f'if [ "$verdict" = {cl.EXIT_CODE} ]; then' in script
+    assert f"        exit {cl.EXIT_CODE}\n" in script
