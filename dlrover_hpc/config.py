@@ -120,6 +120,8 @@ class MasterConfig:
     stop_lead_s: float = settings.STOP_LEAD.default
     #: FRAMEWORK: no continuation, no stop ahead of the time limit, USR1 ignored
     requeue_by: RequeueBy = settings.REQUEUE_BY.default
+    #: failed rounds in a row without progress that stop the job (master/crash_loop.py); 0: off
+    crash_loop_rounds: int = settings.CRASH_LOOP_ROUNDS.default
 
     @property
     def heartbeat_every_s(self) -> float:
@@ -188,6 +190,11 @@ class MasterConfig:
             )
         if self.stop_lead_s < 0:
             raise ConfigError(f"--stop-lead={self.stop_lead_s:g}: must be 0 (off) or more seconds")
+        if self.crash_loop_rounds < 0:
+            raise ConfigError(
+                f"--crash-loop-rounds={self.crash_loop_rounds}: must be 0 (off) or more rounds, "
+                f"e.g. --crash-loop-rounds={settings.CRASH_LOOP_ROUNDS.default}"
+            )
 
 
 def _check_std_streams(flag: str, value: str) -> None:

@@ -20,6 +20,9 @@ class EventName(StrEnum):
     WORKER_FAILED = "worker_failed"  # a worker died (exit code or signal, classification)
     WORKERS_RESTARTED = "workers_restarted"  # the job restarted its workers (restart count)
     JOB_FINISHED = "job_finished"  # the job ended (exit code, reason, durable step)
+    #: --crash-loop-rounds rounds in a row failed without progress: the job stops (exit 3);
+    #: rounds, and the repeated failure's rank, node, classification and error line
+    CRASH_LOOP = "crash_loop"
     LOG_REPAIRED = "log_repaired"  # a master found a torn last line and sealed it
     TRAINING_PROGRESS = "training_progress"  # the job's step (round, step, at), every few s
     MASTER_RECOVERED = "master_recovered"  # a restarted master adopted the running round

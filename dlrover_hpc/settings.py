@@ -776,6 +776,17 @@ REQUEUE = Setting(
     default=True,
     help="under Slurm, requeue the job when it stays below MIN nodes (default on)",
 )
+#: ``--crash-loop-rounds`` (issue 48): failed rounds in a row without progress that stop the job.
+CRASH_LOOP_ROUNDS = Setting(
+    key="crash_loop_rounds",
+    flags=("--crash-loop-rounds",),
+    kind=Kind.INT,
+    default=3,
+    help="stop the job (exit 3) after this many rounds in a row end in a failure of any kind "
+    "(software, hardware, a peer, a node lost, a hang) with no progress: no newer checkpoint "
+    "step committed or held in memory by every rank, no training step beyond the job's best; "
+    "a node that failed first in 2 of the last this-many rounds is excluded. 0: off (default 3)",
+)
 MAX_CONTINUATIONS = Setting(
     key="max_continuations",
     flags=("--max-continuations",),
@@ -833,7 +844,7 @@ _MASTER = (
     HOST, PORT, NNODES, NODE_UNIT, TOPOLOGY, DRAIN, JOB_DIR, MAX_RESTARTS, HEARTBEAT_TIMEOUT,
     LINK_TIMEOUT, LAST_CALL, SCALE_UP_WAIT, NETCHECK_TIMEOUT, REPLACEMENT_SBATCH,
     MIN_NODES_TIMEOUT, MASTER_HANG_TIMEOUT, METRICS_PORT, REQUEUE, MAX_CONTINUATIONS,
-    STOP_LEAD, REQUEUE_BY, CONFIG,
+    STOP_LEAD, REQUEUE_BY, CRASH_LOOP_ROUNDS, CONFIG,
 )  # fmt: skip
 _LAUNCH = (
     BLOCKLIST, KNOWN_HOSTS, SSH_CONFIG, SSH_PORT, CONNECT_TIMEOUT, REMOTE_PYTHON, MASTER_OPTS,

@@ -432,6 +432,7 @@ class Agent:
                 diagnosis,
                 exit_code=first.exit_code,
                 signal=first.signal,
+                progress=await asyncio.to_thread(self.watchdog.poll),  # the steps reached
             )
         await self._stop_workers()
         return outcome

@@ -16,9 +16,10 @@ async def report_failure(
     *,
     exit_code: int | None = None,
     signal: str | None = None,
+    progress: list[m.RankProgress] | None = None,
 ) -> None:
     """A worker of round ``a`` failed (``exit_code``/``signal``: None for a fault found only
-    in its log), with the diagnosis and its evidence."""
+    in its log), with the diagnosis and its evidence, and the node's ranks' last steps."""
     assert link is not None
     await link.request(
         m.WorkerFailed(
@@ -30,6 +31,7 @@ async def report_failure(
             signal=signal,
             classification=diagnosis.kind.value,
             reason=f"{diagnosis.reason} [{'; '.join(diagnosis.evidence)[:600]}]",
+            progress=progress or [],
         ),
         m.Ack,
         timeout_s=30,

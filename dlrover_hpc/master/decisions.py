@@ -41,6 +41,16 @@ class Finish:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class CrashLoop:
+    """Rounds in a row failed without progress (:mod:`dlrover_hpc.master.crash_loop`): the
+    ``crash_loop`` event, and the failure ``job_finished`` names; a :class:`Finish` follows."""
+
+    rounds: int
+    failure: dict[str, object]  # the repeated one: round, node, rank, classification, error
+    failures: list[dict[str, object]]  # each round's, oldest first
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class CountRestart:
     """Charge one restart to ``--max-restarts`` (journaled)."""
 
@@ -128,6 +138,7 @@ class WakeAt:
 Action = (
     OpenRound
     | Finish
+    | CrashLoop
     | CountRestart
     | ChargeLater
     | Exclude
@@ -166,6 +177,7 @@ def worker_failed(
     restart_count: int,
     max_restarts: int,
     drain: DrainMode,
+    loop: Sequence[Action] = (),
 ) -> list[Action]:
     """A worker failed on ``node`` (``node_active``: one of its agents is in the round).
 
@@ -175,6 +187,7 @@ def worker_failed(
     round (a membership change), spends no restart.  A worker that only lost a peer
     (``peer``) restarts at once; its restart is charged after :data:`PEER_GRACE_S` unless a
     node is lost or excluded meanwhile (then the failure was the membership change's).
+    ``loop``: the crash-loop guard's word on the round failing now (see :func:`charge`).
     """
     actions: list[Action] = []
     hardware = msg.classification == HARDWARE and drain is not DrainMode.OFF
@@ -188,7 +201,7 @@ def worker_failed(
         return [*actions, OpenRound(Phase.RESTARTING, reason), ChargeLater(reason)]
     return [
         *actions,
-        *charge(restart_count=restart_count, max_restarts=max_restarts, reason=reason),
+        *charge(restart_count=restart_count, max_restarts=max_restarts, reason=reason, loop=loop),
     ]
 
 
@@ -200,14 +213,18 @@ def node_unhealthy(node: str, check: str, reason: str, *, drain: DrainMode) -> l
     return [Exclude(node, why), *([RemoveNode(node, why)] if drain is not DrainMode.OFF else [])]
 
 
-def charge(*, restart_count: int, max_restarts: int, reason: str = "") -> list[Action]:
+def charge(
+    *, restart_count: int, max_restarts: int, reason: str = "", loop: Sequence[Action] = ()
+) -> list[Action]:
     """One restart of the workers' own making: spend it, or fail when none is left.
 
     With ``reason`` the round is re-formed as well (a fresh failure); without, it already was
-    (a peer-lost failure whose grace ran out with no membership change to explain it)."""
+    (a peer-lost failure whose grace ran out with no membership change to explain it).
+    ``loop``: what the crash-loop guard says of the round failing now (a CrashLoop and its
+    Finish, or nothing): when no restart is left, the job ends as a crash loop if it is one."""
     if restart_count + 1 > max_restarts:
         used = f"worker failed and the job's {max_restarts} restarts are used up"
-        return [CountRestart(), Finish(1, used)]
+        return [CountRestart(), *(loop or [Finish(1, used)])]
     return [CountRestart(), *([OpenRound(Phase.RESTARTING, reason)] if reason else [])]
 
 

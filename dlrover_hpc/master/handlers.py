@@ -15,6 +15,7 @@ import logging
 import time
 
 from dlrover_hpc.events import EventName
+from dlrover_hpc.master import crash_loop
 from dlrover_hpc.master import decisions as d
 from dlrover_hpc.master.hangs import HangWatch
 from dlrover_hpc.master.job import Job
@@ -274,6 +275,7 @@ class AgentHandlers:
     ) -> None:
         if self._world[0] != self.job.round:
             self._world = (self.job.round, sum(n.nproc for n in self.job.participants()))
+        self.job.loops.tally.progress(rec.round, progress)
         self.steps.report(
             node=rec.node,
             round=rec.round,
@@ -319,6 +321,17 @@ class AgentHandlers:
             self.job.restart_count,
             self.job.config.max_restarts,
         )
+        tally = self.job.loops.tally
+        tally.progress(msg.round, msg.progress)
+        tally.failed(
+            crash_loop.Failure(
+                round=msg.round,
+                node=rec.node,
+                rank=msg.rank,
+                classification=msg.classification,
+                error=crash_loop.error_line(msg.reason),
+            )
+        )
         on_node = [n for n in self.job.nodes.values() if n.node == rec.node]
         self.job.apply(
             d.worker_failed(
@@ -330,6 +343,7 @@ class AgentHandlers:
                 restart_count=self.job.restart_count,
                 max_restarts=self.job.config.max_restarts,
                 drain=self.job.config.drain,
+                loop=self.job.loop_now(),
             )
         )
         return m.Ack()

@@ -37,6 +37,7 @@ from dlrover_hpc.diagnosis import stacks as st
 from dlrover_hpc.events import EventName
 from dlrover_hpc.jobdir import hang_report_dir
 from dlrover_hpc.master import decisions as d
+from dlrover_hpc.master.crash_loop import HANG, Failure
 from dlrover_hpc.master.hang_bounds import (
     DETECT_SLACK_S,
     ENDING_BOUND_S,
@@ -630,6 +631,15 @@ class HangWatch:
                 return  # the round ended meanwhile (a worker failed after all)
             if node:
                 self.hangs_by_node[node] = self.hangs_by_node.get(node, 0) + 1
+            job.loops.tally.failed(
+                Failure(
+                    round=job.round,
+                    node=node,
+                    rank=suspect_rank,
+                    classification=HANG,
+                    error=f"{title}; suspect rank {suspect_rank}: {why}",
+                )
+            )
             if node and self.hangs_by_node[node] >= HANGS_PER_NODE_FAULT:
                 reason = f"{self.hangs_by_node[node]} hangs blamed on it ({why})"
                 job.apply([d.Exclude(node, reason), d.RemoveNode(node, reason)])
@@ -640,6 +650,7 @@ class HangWatch:
                         restart_count=job.restart_count,
                         max_restarts=job.config.max_restarts,
                         reason=reason,
+                        loop=job.loop_now(),
                     )
                 )
         finally:

@@ -18,8 +18,8 @@ from typing import Any
 
 from dlrover_hpc.config import DrainMode, MasterConfig
 from dlrover_hpc.events import EventName
+from dlrover_hpc.master import crash_loop, resume
 from dlrover_hpc.master import decisions as d
-from dlrover_hpc.master import resume
 from dlrover_hpc.master.bookkeeping import JournaledCommits, PendingCharge
 from dlrover_hpc.master.journal import EventLog, Journal
 from dlrover_hpc.master.netcheck import NetcheckGate
@@ -35,7 +35,13 @@ from dlrover_hpc.master.phases import ENDED, FORMING, Phase, check_transition, e
 from dlrover_hpc.master.relaunch_plan import RelaunchBook
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.rendezvous.ranking import rank_nodes
-from dlrover_hpc.rendezvous.state import RdzvParams, Waiter, decide, usable_count
+from dlrover_hpc.rendezvous.state import (
+    DecisionKind,
+    RdzvParams,
+    Waiter,
+    decide,
+    usable_count,
+)
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +123,9 @@ class Job:
         self._scale_up_wait: d.ScaleUpWait | None = None  # a scale-up put off to a checkpoint
         self._deferred_since: float | None = None  # ... for the round that takes the node in
         self._saw_save = False  # every rank of a round held a saved step: the job checkpoints
+        #: the crash-loop guard (--crash-loop-rounds), and its verdict once it stopped the job
+        self.loops = crash_loop.LoopWatch(config.crash_loop_rounds)
+        self.crash_loop: d.CrashLoop | None = None
         self.netcheck = NetcheckGate(
             new_store=stores.new_store,
             store_host=store_host,
@@ -222,6 +231,10 @@ class Job:
                     self.open_round(phase, reason)
                 case d.Finish(exit_code, reason):
                     self.finish(exit_code, reason)
+                case d.CrashLoop(rounds, failure, failures):
+                    self.crash_loop = action
+                    log.error("crash loop rounds=%d failure=%s", rounds, failure)
+                    self.emit(EventName.CRASH_LOOP, rounds=rounds, **failure, failures=failures)
                 case d.CountRestart():
                     self.restart_count += 1
                     self._record(restart_count=self.restart_count)
@@ -265,6 +278,17 @@ class Job:
 
     def _lose(self, rec: NodeRecord, reason: str) -> None:
         actions = d.node_lost(self.phase, self.round, rec, reason)
+        if rec.state is NodeState.ACTIVE and rec.round == self.round:
+            rank = rec.assignment.rank_offset if rec.assignment is not None else -1
+            self.loops.tally.failed(
+                crash_loop.Failure(
+                    round=rec.round,
+                    node=rec.node,
+                    rank=rank,
+                    classification=crash_loop.NODE_LOST,
+                    error=reason,
+                )
+            )
         benched, rec.state = rec.state is NodeState.BENCHED, NodeState.LOST
         self.settle(rec, "lost")
         if not benched:  # a benched node was counted as a loss when it was benched
@@ -279,6 +303,7 @@ class Job:
         self.poke()
 
     def exclude(self, node: str, reason: str) -> None:
+        log.warning("node excluded node=%s reason=%s", node, reason)
         self.excluded_nodes.add(node)
         self._charge.cancel()  # a node left: a pending peer-lost charge was its symptom
         self._record(excluded_nodes=sorted(self.excluded_nodes))
@@ -425,6 +450,7 @@ class Job:
             reason=reason,
             restart_count=self.restart_count,
             **checkpoint,
+            **self._repeated_failure(),
         )
         for rec in self.nodes.values():
             if rec.waiter is not None and not rec.waiter.done():
@@ -432,6 +458,26 @@ class Job:
             if rec.state is NodeState.ACTIVE:
                 self._push(rec.agent_id, m.RoundChanged(round=self.round + 1, reason=reason))
         self.finished.set()
+
+    def _repeated_failure(self) -> dict[str, Any]:
+        """job_finished's account of a crash loop: the failure that repeated."""
+        if self.crash_loop is None:
+            return {}
+        return {"repeated_failure": {"rounds": self.crash_loop.rounds, **self.crash_loop.failure}}
+
+    def loop_facts(self) -> dict[str, Any]:
+        """What the crash-loop guard weighs besides its tally (:class:`crash_loop.LoopWatch`)."""
+        return {
+            "world_size": sum(n.nproc for n in self.participants()),
+            "committed": self.last_committed,
+            "usable": {n.node for n in self.nodes.values() if n.state in d.USABLE},
+            "min_nodes": self.params.min_nodes,
+            "excluded": self.excluded_nodes,
+        }
+
+    def loop_now(self) -> list[d.Action]:
+        """The guard's word if the running round failed the job now (``d.charge``'s loop)."""
+        return self.loops.failing_now(**self.loop_facts())
 
     def finished_assignment(self) -> m.Assignment:
         return m.Assignment(
@@ -446,7 +492,11 @@ class Job:
             return None
         if self._charge.due() is not None:
             self.apply(
-                d.charge(restart_count=self.restart_count, max_restarts=self.config.max_restarts)
+                d.charge(
+                    restart_count=self.restart_count,
+                    max_restarts=self.config.max_restarts,
+                    loop=self.loop_now(),
+                )
             )
         if self.ended:
             return None
@@ -505,6 +555,13 @@ class Job:
             opened_at=self._opened_at,
             now=self.clock(),
         )
+        # The ended round is judged before the next forms (crash_loop): a crash loop ends the
+        # job; a node excluded for it leaves, and the next step forms the round without it.
+        complete = decision.kind is DecisionKind.COMPLETE
+        if complete and (loop := self.loops.round_ended(**self.loop_facts())):
+            self.apply(loop)
+            self.poke()
+            return None
         needs = self.netcheck.needs_check(decision.chosen, self.round + 1)
         return self.apply(d.form_round(decision, params=self.params, needs_netcheck=needs))
 
@@ -513,6 +570,7 @@ class Job:
         first_round = self.round == 0 or not previous
         self.round += 1
         self.rounds_here += 1
+        self.loops.tally.begin(self.round)
         ranked = rank_nodes([rank_input(n) for n in chosen], self._topology)
         self._store_port = self._stores.new_store(self.round)
         self.commits.new_generation()

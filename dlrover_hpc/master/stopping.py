@@ -149,6 +149,9 @@ class GracefulStop:
         plan = self.plan
         if plan is None:
             return None
+        if self.job.crash_loop is not None:  # a crash loop is never continued
+            log.warning("graceful stop: the job ended in a crash loop; nothing to continue")
+            return None
         if not self.forced and not any(n.stopped for n in self.job.participants()):
             log.info("graceful stop: training ended before the stop step; nothing to continue")
             return None

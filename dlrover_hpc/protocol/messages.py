@@ -200,6 +200,8 @@ class WorkerFailed(Message):
     signal: str | None
     classification: str
     reason: str
+    #: its node's ranks' last steps (the crash-loop guard's progress; empty: not known)
+    progress: list[RankProgress] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

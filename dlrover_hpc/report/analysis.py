@@ -72,6 +72,7 @@ class Analysis:
         self.committed: dict[int, float] = {}  # step -> time of its first committed persist
         self.node_events: dict[str, list[tuple[float, str, str]]] = {}  # (time, event, detail)
         self.markers: list[tuple[float, str | None, str, str]] = []
+        self.crash_loop: dict[str, Any] | None = None  # the crash_loop event, if the job had one
 
     # ------------------------------------------------------------------ folding
     def add(self, e: dict[str, Any]) -> None:
@@ -133,6 +134,8 @@ class Analysis:
                 self.gap_events.append((t, "requeue" if name == "job_requeued" else "waiting"))
                 if name == "job_requeued":
                     self.markers.append((t, None, "requeue", str(e.get("reason", ""))[:80]))
+            case "crash_loop":
+                self.crash_loop = e
             case "master_recovered":
                 self.markers.append((t, None, "master", f"downtime {e.get('downtime_s')} s"))
             case _:
@@ -212,6 +215,7 @@ class Analysis:
             restores=dict(self.restores),
             last_checkpoint_step=max(self.committed, default=None),
             nodes=self._nodes(spans),
+            repeated_failure=repeated_failure(self.crash_loop),
             spans=spans,
             markers=[
                 Marker(round(t - start, 3), node, kind, label)
@@ -446,3 +450,13 @@ def analyze(events: Iterable[dict[str, Any]], now: float | None = None) -> Repor
         for e in sorted(events, key=lambda e: float(e["time"])):
             analysis.add(e)
         return analysis.report(now)
+
+
+def repeated_failure(e: dict[str, Any] | None) -> str:
+    """A crash loop's line: how many rounds, and the failure that repeated ("" if none)."""
+    if e is None:
+        return ""
+    return (
+        f"{e.get('rounds')} rounds in a row failed without progress, first on rank {e.get('rank')} "
+        f"of {e.get('node')} ({e.get('classification')}): {e.get('error')}"
+    )

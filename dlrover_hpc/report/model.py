@@ -135,6 +135,8 @@ class Report:
     restores: dict[str, int]  # source (memory | peer | storage) -> ranks restored from it
     last_checkpoint_step: int | None  # newest committed (persisted) step
     nodes: list[NodeSummary]  # by rank in their first round, then by name
+    #: the job stopped as a crash loop (crash_loop): the rounds and the failure that repeated
+    repeated_failure: str = ""
     spans: list[Span] = dataclasses.field(default_factory=list)
     markers: list[Marker] = dataclasses.field(default_factory=list)
 

@@ -102,7 +102,11 @@ def node_table(r: Report) -> Table:
 
 
 def render(r: Report) -> Group:
-    return Group(headline(r), time_table(r), counts_table(r), checkpoint_table(r), node_table(r))
+    loop = (
+        [Text(f"crash loop: {r.repeated_failure}", style="bold red")] if r.repeated_failure else []
+    )
+    tables = (time_table(r), counts_table(r), checkpoint_table(r), node_table(r))
+    return Group(headline(r), *loop, *tables)
 
 
 def print_report(r: Report, console: Console | None = None) -> None:

@@ -206,6 +206,7 @@ def _value_cases() -> list[Case]:
         Case(HPC, ("master", "--heartbeat-timeout", "-1"), says="--heartbeat-timeout"),
         Case(HPC, ("master", "--heartbeat-timeout=-1"), says="--heartbeat-timeout=-1"),
         Case(HPC, ("master", "--max-restarts=-3"), says="--max-restarts=-3"),
+        Case(HPC, ("master", "--crash-loop-rounds=-1"), says="--crash-loop-rounds=-1: must be 0"),
         Case(HPC, ("master", "--nnodes=4:2"), says="--nnodes=4:2"),
         Case(HPC, ("master", "--nnodes=x"), says="--nnodes"),
         Case(HPC, ("master", "--node-unit=0"), says="--node-unit"),
@@ -296,6 +297,7 @@ BAD_TOML = {
     '[master]\nnnodes = "4:2"\n': "--nnodes=4:2",
     '[master]\nhang_timeout = "sometimes"\n': "--hang-timeout",
     "[master]\nheartbeat_timeout = -1\n": "--heartbeat-timeout",
+    "[master]\ncrash_loop_rounds = -2\n": "--crash-loop-rounds=-2",
     "run = 3\n": "is a section",
     "[run]\nmax_restarts = 7\nmax_restarts = 8\n": "not valid TOML",
 }

@@ -18,6 +18,8 @@ from dlrover_hpc.master.job import Job
 from dlrover_hpc.master.journal import EventLog, Journal
 from dlrover_hpc.master.nodes import NodeState
 from dlrover_hpc.master.phases import Phase
+from dlrover_hpc.master.steps import StepLog
+from dlrover_hpc.master.stopping import GracefulStop
 from dlrover_hpc.master.stores import TorchStores
 from dlrover_hpc.protocol import messages as m
 
@@ -516,5 +518,206 @@ def test_status_of_a_large_job_is_a_summary_unless_every_node_is_asked_for(
         text = format_status(summary)
         assert "nodes: 41 (active 40, waiting 1)" in text and "--nodes" in text
         assert len(text.splitlines()) == 4 + len(summary.nodes)
+
+    run(body)
+
+
+# ------------------------------------------------------------------ crash-loop guard (issue 48)
+SEGV = "the worker crashed with SIGSEGV; no hardware error was logged [signal SIGSEGV (11)]"
+
+
+def _steps(h: Harness, agents: list[str], step: int) -> None:
+    """Every rank of the running round reports ``step`` (a heartbeat per agent)."""
+    for agent in agents:
+        first = h.job.nodes[agent].rank * 2
+        ranks = [
+            m.RankProgress(rank=r, step=step, stalled_s=0.0, at=1.0) for r in (first, first + 1)
+        ]
+        h.agents.heartbeat(m.Heartbeat(agent_id=agent, round=h.job.round, progress=ranks))
+
+
+def _crash(
+    h: Harness, agent: str, *, kind: str = "software", reason: str = SEGV, step: int = 4
+) -> None:
+    """``agent``'s first worker fails; its final report says it reached ``step`` (-1: none)."""
+    rank = h.job.nodes[agent].rank * 2
+    final = [m.RankProgress(rank=rank, step=step, stalled_s=0.0, at=1.0)] if step >= 0 else []
+    h.agents.worker_failed(
+        m.WorkerFailed(
+            agent_id=agent,
+            round=h.job.round,
+            local_rank=0,
+            rank=rank,
+            exit_code=None,
+            signal="SIGSEGV" if kind == "software" else None,
+            classification=kind,
+            reason=reason,
+            progress=final,
+        )
+    )
+
+
+def _members(h: Harness) -> list[str]:
+    return [n.agent_id for n in sorted(h.job.participants(), key=lambda n: n.rank)]
+
+
+def test_a_segfault_at_the_same_step_ends_as_a_crash_loop_before_the_budget(
+    tmp_path: Path,
+) -> None:
+    """The defaults (3 rounds, 3 restarts): round 1 reaches step 4 from nothing, rounds 2-4
+    no further; the 4th failure would also spend the budget: the job ends as a crash loop."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2")
+        agents = h.start("n1", "n2")
+        for round in (1, 2, 3, 4):
+            assert h.job.round == round and h.job.phase is Phase.RUNNING
+            _steps(h, agents, 3)
+            _crash(h, agents[0])
+            if round < 4:
+                h.rejoin(agents)
+                h.settle(1.5)
+        assert h.job.phase is Phase.FAILED and h.job.exit_code == 3
+        [loop] = h.events("crash_loop")
+        assert (loop["rounds"], loop["rank"], loop["node"]) == (3, 0, "n1")
+        assert (loop["classification"], loop["error"]) == ("software", SEGV)
+        assert [f["round"] for f in loop["failures"]] == [2, 3, 4]
+        [finished] = h.events("job_finished")
+        assert finished["exit_code"] == 3 and finished["restart_count"] == 4
+        assert finished["reason"].startswith("crash loop: 3 rounds in a row (rounds 2-4)")
+        assert finished["repeated_failure"] == {
+            "rounds": 3,
+            "round": 4,
+            "node": "n1",
+            "rank": 0,
+            "classification": "software",
+            "error": SEGV,
+        }
+        assert not h.job.excluded_nodes  # n1 caused every round, but MIN needs it
+
+    run(body)
+
+
+def test_a_hardware_fault_that_moves_with_the_job_ends_as_a_crash_loop(tmp_path: Path) -> None:
+    """Classified as hardware, on whichever node holds rank 0: each is excluded and a spare
+    takes its place, no restart is charged; today it cycles through every node."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2", max_restarts=0)
+        everyone = h.start(*(f"n{i}" for i in range(1, 8)))
+        xid = "GPU Xid error [NVRM: Xid 79, GPU has fallen off the bus.]"
+        for round in (1, 2, 3, 4):
+            assert h.job.round == round and h.job.phase is Phase.RUNNING
+            agents = _members(h)
+            _steps(h, agents, 3)
+            _crash(h, agents[0], kind="hardware", reason=xid)
+            assert h.job.restart_count == 0 and h.job.phase is Phase.SHRINKING
+            # The round re-forms with a spare; after the 4th, it is judged and stops the job.
+            h.rejoin([a for a in everyone if h.job.nodes[a].state is not NodeState.EXCLUDED])
+            h.settle(1.5)
+        assert h.job.phase is Phase.FAILED and h.job.exit_code == 3
+        [loop] = h.events("crash_loop")
+        assert (loop["rounds"], loop["classification"], loop["error"]) == (3, "hardware", xid)
+        assert h.events("job_finished")[0]["restart_count"] == 0
+        assert len(h.job.excluded_nodes) == 4  # one per round, by the hardware rule
+
+    run(body)
+
+
+def _lose(h: Harness, agent: str) -> None:
+    """``agent``'s node dies: its connection closes, the others keep heart-beating."""
+    h.agents.disconnected(agent)
+    h.clock.now += 3.5
+    for other in _members(h):
+        if other != agent:
+            h.agents.heartbeat(m.Heartbeat(agent_id=other, round=h.job.round))
+    h.agents.check_liveness()
+
+
+def test_a_node_lost_at_the_same_point_is_excluded_then_the_loop_ends(tmp_path: Path) -> None:
+    """n3 dies at the same step in every round and comes back (a relaunched agent): no
+    restart is charged.  With a spare, n3 goes after its second loss and a new agent there is
+    refused; with no node to spare the job stops after 3 rounds without progress."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3")
+        a, b, c = h.start("n1", "n2", "n3")
+        for _ in (1, 2):
+            _steps(h, [a, b, c], 3)
+            _lose(h, c)
+            assert h.job.phase is Phase.SHRINKING
+            c = h.join("n3")  # relaunched
+            h.rejoin([a, b])
+            h.wait(c)
+            h.settle(1.5)
+        h.settle()  # round 2 was judged as the next formed: n3 left first
+        assert h.job.excluded_nodes == {"n3"}
+        assert h.waits[c].result().status is m.NodeStatus.EXCLUDED
+        assert h.job.phase is Phase.RUNNING and h.events("rendezvous_complete")[-1]["nodes"] == [
+            "n1",
+            "n2",
+        ]
+        assert h.job.restart_count == 0
+
+    async def at_min() -> None:
+        h = Harness(tmp_path / "min", nnodes="3:3")
+        a, b, c = h.start("n1", "n2", "n3")
+        for round in (1, 2, 3, 4):
+            assert h.job.round == round
+            _steps(h, [a, b, c], 3)
+            _lose(h, c)
+            if round < 4:
+                c = h.join("n3")
+                h.rejoin([a, b])
+                h.wait(c)
+                h.settle(1.5)
+        h.rejoin([a, b])
+        h.wait(h.join("n3"))
+        h.settle(1.5)
+        assert h.job.phase is Phase.FAILED and h.job.exit_code == 3
+        [loop] = h.events("crash_loop")
+        assert (loop["node"], loop["rank"], loop["classification"]) == ("n3", 4, "node_lost")
+        assert loop["error"] == "connection closed"
+        assert h.job.restart_count == 0
+
+    run(body)
+    (tmp_path / "min").mkdir()
+    run(at_min)
+
+
+class _Continuer:
+    """Our Continuer's one call that conclude makes, recorded (no Slurm)."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def continue_job(self, plan: Any, kept: int) -> str:
+        self.calls.append(kept)
+        return "43"
+
+
+@pytest.mark.parametrize("loop", [True, False])
+def test_a_job_ended_by_a_crash_loop_is_never_continued(tmp_path: Path, loop: bool) -> None:
+    """A time limit's stop is under way when the guard stops the job: no continuation (and
+    without the crash loop, the forced end of the same stop is continued)."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2", crash_loop_rounds=1)
+        agents = h.start("n1", "n2")
+        stopper = GracefulStop(h.job, StepLog(h.job.emit), lambda *_: None, lead_s=90.0)
+        continuer = _Continuer()
+        stopper.continuer = continuer  # type: ignore[assignment]
+        stopper.request(None, "USR1")
+        if loop:
+            _crash(h, agents[0], step=0)  # it never trained a step: no progress
+            h.rejoin(agents)
+            h.settle(1.5)
+            assert h.job.exit_code == 3
+        else:
+            h.clock.now += 1.0
+            stopper.forced = True
+            h.job.finish(0, "deadline reached before a save")
+        assert stopper.conclude() == (None if loop else "43")
+        assert continuer.calls == ([] if loop else [-1])
 
     run(body)

@@ -7,10 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from dlrover_hpc.errors import ReportError
 from dlrover_hpc.report.analysis import Analysis, analyze, read_events
 from dlrover_hpc.report.model import Cause, LaneState
+from dlrover_hpc.report.table import print_report
 
 T0 = 1_800_000_000.0
 
@@ -221,3 +223,27 @@ def test_a_rejected_restore_is_a_marker_on_its_node() -> None:
             "step 40 rejected (memory): non-finite values in model.0.weight (1 of 2048: nan)",
         ),
     ]
+
+
+def test_a_crash_loop_is_named_with_its_repeated_failure() -> None:
+    segv = "the worker crashed with SIGSEGV; no hardware error was logged"
+    events = [
+        ev(0, "job_started", job_id="9", nnodes="2:2"),
+        *(
+            ev(2 * r, "rendezvous_complete", round=r, nodes=["n1", "n2"], restart_count=r - 1)
+            for r in (1, 2, 3, 4)
+        ),
+        ev(9, "crash_loop", rounds=3, rank=0, node="n1", classification="software", error=segv),
+        ev(9, "job_finished", exit_code=3, restart_count=3),
+    ]
+    report = analyze(events)
+    assert report.exit_code == 3
+    assert report.repeated_failure == (
+        f"3 rounds in a row failed without progress, first on rank 0 of n1 (software): {segv}"
+    )
+    console = Console(width=300, record=True)
+    print_report(report, console)
+    assert "crash loop: 3 rounds in a row failed without progress, first on rank 0" in (
+        console.export_text()
+    )
+    assert analyze(failed_and_restored()).repeated_failure == ""
