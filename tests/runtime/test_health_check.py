@@ -179,7 +179,9 @@ def test_a_node_whose_workers_failed_checks_itself_again(
     rounds = named(evs, "rendezvous_complete")
     assert bad not in rounds[-1]["nodes"] and len(rounds[-1]["nodes"]) == 2, rounds
     result = json.loads((shared_tmp / "result.json").read_text())
-    assert result["final_step"] == steps and result["restart_count"] >= 1, result
+    # The failure is charged, or not when the node's exclusion re-formed the round first (a
+    # membership change spends no restart): which comes first is a race, both are right.
+    assert result["final_step"] == steps and result["restart_count"] in (0, 1), result
     # only the failed node checked itself twice
     assert sorted(p.name for p in marks.iterdir()) == [f"checked-node{i}" for i in (1, 2, 3)]
     assert out.count("node unhealthy check=program") == 1, out[-4000:]
