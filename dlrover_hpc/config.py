@@ -190,11 +190,15 @@ class MasterConfig:
             )
         if self.stop_lead_s < 0:
             raise ConfigError(f"--stop-lead={self.stop_lead_s:g}: must be 0 (off) or more seconds")
-        if self.crash_loop_rounds < 0:
-            raise ConfigError(
-                f"--crash-loop-rounds={self.crash_loop_rounds}: must be 0 (off) or more rounds, "
-                f"e.g. --crash-loop-rounds={settings.CRASH_LOOP_ROUNDS.default}"
-            )
+        check_crash_loop_rounds(self.crash_loop_rounds)
+
+
+def check_crash_loop_rounds(rounds: int) -> None:
+    if rounds < 0:
+        raise ConfigError(
+            f"--crash-loop-rounds={rounds}: must be 0 (off) or more rounds, "
+            f"e.g. --crash-loop-rounds={settings.CRASH_LOOP_ROUNDS.default}"
+        )
 
 
 def _check_std_streams(flag: str, value: str) -> None:
@@ -252,6 +256,8 @@ class RunConfig:
     #: --health-check: the site's node check, run before joining ("": none)
     health_check: str = settings.HEALTH_CHECK.default
     health_check_timeout_s: float = settings.HEALTH_CHECK_TIMEOUT.default
+    #: the crash-loop guard of an in-process master (copied by :func:`embedded_master_config`)
+    crash_loop_rounds: int = settings.CRASH_LOOP_ROUNDS.default
 
     def __post_init__(self) -> None:
         nnodes = self.nnodes
@@ -297,6 +303,7 @@ class RunConfig:
         _check_std_streams("--redirects", self.redirects)
         _check_std_streams("--tee", self.tee)
         check_link_timeout(self.link_timeout_s)
+        check_crash_loop_rounds(self.crash_loop_rounds)
         if not (0 < self.health_check_timeout_s < math.inf):
             raise ConfigError(
                 f"--health-check-timeout={self.health_check_timeout_s:g}: must be more than 0 "

@@ -782,10 +782,17 @@ CRASH_LOOP_ROUNDS = Setting(
     flags=("--crash-loop-rounds",),
     kind=Kind.INT,
     default=3,
-    help="stop the job (exit 3) after this many rounds in a row end in a failure of any kind "
-    "(software, hardware, a peer, a node lost, a hang) with no progress: no newer checkpoint "
-    "step committed or held in memory by every rank, no training step beyond the job's best; "
-    "a node that failed first in 2 of the last this-many rounds is excluded. 0: off (default 3)",
+    help={
+        Command.MASTER: "stop the job (exit 3) after this many rounds in a row end in a failure "
+        "of any kind (software, hardware, a peer, a node lost, a hang) with no progress: no "
+        "newer checkpoint step committed or held in memory by every rank, no training step "
+        "beyond the job's best; a node that failed first in 2 of the last this-many rounds is "
+        "excluded. 0: off (default 3)",
+        Command.RUN: "the crash-loop guard of an in-process master (--standalone, or the "
+        "embedded master of a job with no master step): stop the job (exit 3) after this many "
+        "failed rounds in a row with no progress (no newer checkpoint step, no step beyond the "
+        "job's best). 0: off (default 3); train.sbatch gives its master the same value",
+    },
 )
 MAX_CONTINUATIONS = Setting(
     key="max_continuations",
@@ -838,7 +845,7 @@ _RUN = (
     NUMA_BINDING, SIGNALS_TO_HANDLE, SHUTDOWN_TIMEOUT, VIRTUAL_LOCAL_RANK,
     MASTER, NETWORK_CHECK, EXCLUDE_STRAGGLER, NODE_UNIT, LINK_TIMEOUT, RECONNECT_TIMEOUT,
     HANG_TIMEOUT, STRAGGLER_FACTOR, REQUEUE_BY, *OFF_SWITCHES, TRANSPARENT, JOB_DIR, CONFIG,
-    HEALTH_CHECK, HEALTH_CHECK_TIMEOUT,
+    HEALTH_CHECK, HEALTH_CHECK_TIMEOUT, CRASH_LOOP_ROUNDS,
 )  # fmt: skip
 _MASTER = (
     HOST, PORT, NNODES, NODE_UNIT, TOPOLOGY, DRAIN, JOB_DIR, MAX_RESTARTS, HEARTBEAT_TIMEOUT,

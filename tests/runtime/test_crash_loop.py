@@ -139,3 +139,32 @@ def test_standalone_crash_loop_exits_3_with_the_failure_named(tmp_path: Path) ->
     assert "RuntimeError: bad config: no such dataset /data/x" in loop["error"], loop
     assert len(named(evs, "rendezvous_complete")) == 3
     assert "crash loop: 3 rounds in a row (rounds 1-3)" in named(evs, "job_finished")[-1]["reason"]
+
+
+@pytest.mark.parametrize(("rounds", "code", "started"), [("2", EXIT_CODE, 2), ("0", 1, 4)])
+def test_dlrover_run_sets_the_guard_of_its_in_process_master(
+    tmp_path: Path, rounds: str, code: int, started: int
+) -> None:
+    """``dlrover-run --crash-loop-rounds`` reaches a standalone master: 2 stops the loop after
+    two rounds; 0 turns the guard off, and the restart budget (3) ends the job as before."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("raise RuntimeError('bad config: no such dataset /data/x')\n")
+    proc = subprocess.run(
+        [
+            str(BIN / "dlrover-run"),
+            "--standalone",
+            "--nproc-per-node=1",
+            "--max-restarts=3",
+            f"--crash-loop-rounds={rounds}",
+            f"--job-dir={tmp_path / 'job'}",
+            str(bad),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == code, proc.stderr[-3000:]
+    evs = events(tmp_path / "job")
+    assert len(named(evs, "crash_loop")) == (1 if code == EXIT_CODE else 0), evs
+    assert len(named(evs, "rendezvous_complete")) == started, named(evs, "rendezvous_complete")
