@@ -123,9 +123,10 @@ def test_batch_host_crash_with_no_kill_goes_on_from_the_survivors_memory(
     assert sorted(rounds[-1]["nodes"]) == ["node2", "node3"], rounds
     resumed = next(t for t, s in timing_log(shared_tmp) if t > killed_at and s == step + 1)
     print(
-        f"batch host crash, --no-kill {requeue}: last step {last} before the kill, restored step {step} "
-        f"from memory ({last - step} steps lost), training again {resumed - killed_at:.1f} s "
-        f"after the kill, job ended {ended_at - finished['time']:.1f} s after job_finished"
+        f"batch host crash, --no-kill {requeue}: last step {last} before the kill, restored "
+        f"step {step} from memory ({last - step} steps lost), training again "
+        f"{resumed - killed_at:.1f} s after the kill, job ended "
+        f"{ended_at - finished['time']:.1f} s after job_finished"
     )
 
 
