@@ -45,7 +45,8 @@ def batch_host_lost(job: Mapping[str, str]) -> str | None:
     """The dead batch host of a job that runs on without it (its ``BatchHost`` is no longer
     among its nodes), else None.  No batch script is left to end such a job."""
     host = job.get("BatchHost", "")
-    if job.get("JobState") != "RUNNING" or not host or host == "(null)":
+    running = job.get("JobState") == "RUNNING" and job.get("BatchFlag") == "1"  # not salloc
+    if not running or not host or host == "(null)":
         return None
     try:
         nodes = expand(job.get("NodeList", ""), source="scontrol show job NodeList")

@@ -56,6 +56,7 @@ def test_requeued(name: str, changed: dict[str, str], restart_count: int, expect
         (REQUEUED, {}, None),  # requeued: Slurm ends it, the next run has a batch script
         (COMPLETED, {}, None),
         (KEPT, {"BatchHost": "(null)"}, None),
+        (KEPT, {"BatchFlag": "0"}, None),  # an allocation (salloc): no job script to lose
         (KEPT, {"NodeList": "node[2-"}, None),  # not a host list: no verdict
     ],
 )
