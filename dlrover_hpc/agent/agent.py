@@ -240,7 +240,7 @@ class Agent:
             # Finish in-flight persists (they need the master), then remove the segments,
             # unless Slurm requeued the job: its next run restores from them on this node.
             keep = self._stop.is_set() and await asyncio.to_thread(
-                requeue_memory.keep_for_requeue, os.environ
+                requeue_memory.keep_for_requeue, os.environ, segments=bool(self.saver.segments())
             )
             await asyncio.to_thread(self.saver.close, not keep)
             await asyncio.to_thread(replicas.close)

@@ -40,11 +40,14 @@ log = logging.getLogger(__name__)
 ASK_TIMEOUT_S = 5.0
 
 
-def keep_for_requeue(environ: Mapping[str, str], *, run: slurm.Runner = slurm.run_command) -> bool:
+def keep_for_requeue(
+    environ: Mapping[str, str], *, segments: bool = True, run: slurm.Runner = slurm.run_command
+) -> bool:
     """Under Slurm: whether this node's segments must outlive this agent (its job was
-    requeued); False without Slurm or when Slurm cannot tell (then they are removed)."""
+    requeued); False without Slurm, without ``segments`` on the node (then Slurm is not
+    asked) or when Slurm cannot tell (then they are removed)."""
     env = parse_slurm_env(environ)
-    if env is None:
+    if env is None or not segments:
         return False
     try:
         job = slurm.show_job(env.job_id, run=run, timeout_s=ASK_TIMEOUT_S)
@@ -95,13 +98,15 @@ def sweep_stale(
     env = parse_slurm_env(environ)
     if env is None:
         return []
+    user = current_user()
     try:
+        names = stale_segments(os.listdir(shm_dir), user=user, live_jobs={env.job_id})
+        if not names:  # a clean node asks Slurm nothing (no squeue from every node of a job)
+            return []
         live = slurm.my_job_ids(run=run, timeout_s=ASK_TIMEOUT_S) | {env.job_id}
-        names = os.listdir(shm_dir)
     except (SlurmError, OSError) as exc:
         log.info("checkpoint stale_segments_not_swept error=%s", exc)
         return []
-    user = current_user()
     removed = []
     for name in stale_segments(names, user=user, live_jobs=live):
         try:

@@ -58,6 +58,12 @@ def test_keep_for_requeue(env: dict[str, str], answer: str, rc: int, keep: bool)
         assert slurm.calls == []
 
 
+def test_keep_for_requeue_asks_slurm_nothing_without_segments() -> None:
+    slurm = Slurm(show=_line("show_job_requeued_completing.txt"))
+    assert keep_for_requeue({"SLURM_JOB_ID": "6100001"}, segments=False, run=slurm) is False
+    assert slurm.calls == []
+
+
 def _name(user: str, job: str, rest: str = "r0-a") -> str:
     return segment_prefix(user=user, job_id=job, node_name="node2") + rest
 
@@ -93,6 +99,14 @@ def test_sweep_stale_removes_only_unlisted_jobs(tmp_path: Path) -> None:
         [_name(me, "42"), _name(me, "43"), "other"]
     )
     assert slurm.calls == [("squeue", "-h", "--me", "-o", "%A")]
+
+
+def test_sweep_stale_asks_slurm_nothing_on_a_clean_node(tmp_path: Path) -> None:
+    (tmp_path / _name(current_user(), "43")).write_bytes(b"x")  # the running job's own
+    (tmp_path / _name("somebody_else", "41")).write_bytes(b"x")
+    slurm = Slurm(jobs=[])
+    assert sweep_stale({"SLURM_JOB_ID": "43"}, shm_dir=str(tmp_path), run=slurm) == []
+    assert slurm.calls == [] and len(list(tmp_path.iterdir())) == 2
 
 
 def test_sweep_stale_removes_nothing_when_slurm_does_not_answer(tmp_path: Path) -> None:
