@@ -54,6 +54,9 @@ class EventName(StrEnum):
     JOB_PREEMPTED = "job_preempted"  # SIGTERM: saved at a step (step, stop_step)
     TIME_LIMIT_REACHED = "time_limit_reached"  # USR1 or --stop-lead: saved at a step
     JOB_CONTINUED = "job_continued"  # the next run (job, how: requeue or resubmit)
+    #: the node that ran the job script died and Slurm kept the job (--no-kill) without it: the
+    #: master ended the allocation at the job's end (node, job, exit_code)
+    BATCH_HOST_LOST = "batch_host_lost"
     # Checkpoints (training processes and the agents' savers).
     CHECKPOINT_SAVED = "checkpoint_saved"  # a step in memory (blocking_s, total_s)
     CHECKPOINT_SAVE_FAILED = "checkpoint_save_failed"  # a save skipped (error)

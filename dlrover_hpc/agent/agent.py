@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from dlrover_hpc import environ, injections, jobdir
-from dlrover_hpc.agent import health, promotion
+from dlrover_hpc.agent import health, promotion, requeue_memory
 from dlrover_hpc.agent import watchdog as wd
 from dlrover_hpc.agent.decisions import Next, Outcome, on_assignment, round_outcome, round_over
 from dlrover_hpc.agent.diagnose import Diagnoser
@@ -224,6 +224,8 @@ class Agent:
             self.zygote.start(zygote_env(self.config))  # imports torch while the rendezvous runs
         self._lock_fd = hold_node_lock(self.job_dir, self.node)
         await asyncio.to_thread(wd.sweep_stale)  # progress records of a SIGKILLed agent
+        # segments kept for a requeue that went elsewhere or never ran
+        await asyncio.to_thread(requeue_memory.sweep_stale, os.environ)
         self.replica_server = replicas = start_replica_server(self._token, self.node)
         await self._open_link()
         assert self.link is not None
@@ -242,8 +244,12 @@ class Agent:
             return await self._rounds()
         finally:
             await self._stop_workers()
-            # Finish in-flight persists (they need the master), then remove the segments.
-            await asyncio.to_thread(self.saver.close, True)
+            # Finish in-flight persists (they need the master), then remove the segments,
+            # unless Slurm requeued the job: its next run restores from them on this node.
+            keep = self._stop.is_set() and await asyncio.to_thread(
+                requeue_memory.keep_for_requeue, os.environ, segments=bool(self.saver.segments())
+            )
+            await asyncio.to_thread(self.saver.close, not keep)
             await asyncio.to_thread(replicas.close)
             beats.cancel()
             pushes.cancel()

@@ -14,7 +14,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from dlrover_hpc.errors import ProtocolError
-from dlrover_hpc.master import failover, stopping
+from dlrover_hpc.master import batch_host, failover, stopping
 from dlrover_hpc.master.assembly import Master
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol import wire
@@ -333,6 +333,12 @@ class MasterServer:
             while self._writers and loop.time() < deadline:
                 await asyncio.sleep(0.1)
             await asyncio.to_thread(master.stopper.conclude)
+            await asyncio.to_thread(
+                batch_host.end_orphaned_job,
+                self.config.job_id,
+                exit_code=master.job.exit_code or 0,
+                emit=master.job.emit,
+            )
         finally:
             time_left.cancel()
             states.cancel()

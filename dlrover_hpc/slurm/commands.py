@@ -158,6 +158,22 @@ def show_job(job_id: str, *, run: Runner = run_command, timeout_s: float = 15.0)
     return parse_oneliner(done.stdout)
 
 
+def my_job_ids(*, run: Runner = run_command, timeout_s: float = 15.0) -> frozenset[str]:
+    """The ids of the caller's jobs that Slurm lists (pending, running, completing...)."""
+    done = run(["squeue", "-h", "--me", "-o", "%A"], timeout_s=timeout_s)
+    if done.returncode != 0:
+        raise SlurmError(f"squeue --me failed: {done.stderr.strip()}")
+    return frozenset(line.strip() for line in done.stdout.splitlines() if line.strip())
+
+
+def cancel_job(job_id: str, *, run: Runner = run_command, timeout_s: float = 30.0) -> None:
+    """``scancel J``: Slurm ends the job's processes (the caller's too) and frees its nodes."""
+    argv = ["scancel", job_id]
+    done = run(argv, timeout_s=timeout_s)
+    if done.returncode != 0:
+        raise SlurmError(f"{shlex.join(argv)} failed: {done.stderr.strip()}")
+
+
 def time_left(job_id: str, *, run: Runner = run_command, timeout_s: float = 15.0) -> float | None:
     """Seconds until the job's time limit (None: no limit).  ``squeue %L`` is relative, so no
     clock or time zone of slurmctld's enters (22.05 sets no SLURM_JOB_END_TIME)."""
