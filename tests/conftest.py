@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,6 +136,29 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     leaked = wait_no_leaks(before, slurmd_pids=pids)
     if leaked:
         pytest.fail("test leaked:\n  " + "\n  ".join(leaked), pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def no_jobs_left(request: pytest.FixtureRequest, no_leaks: None) -> Iterator[None]:
+    """A test on the local Slurm that fails midway can leave its job running (or pending,
+    holding its nodes); the next tests of this worker would then wait for nodes behind it and
+    fail too.  Its jobs are cancelled (and waited for) before the leak check runs."""
+    yield
+    if _slurm is None or "local_slurm" not in request.fixturenames:
+        return
+    jobs = _queued_jobs()
+    if not jobs:
+        return
+    print(f"cancelling the jobs this test left in the queue: {' '.join(jobs)}")
+    subprocess.run(["scancel", *jobs], capture_output=True, timeout=30)
+    deadline = time.monotonic() + 90
+    while _queued_jobs() and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def _queued_jobs() -> list[str]:
+    proc = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30)
+    return proc.stdout.split()
 
 
 @pytest.fixture

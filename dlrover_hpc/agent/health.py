@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import functools
 import logging
 import mmap
@@ -182,9 +183,22 @@ def shm_usage(shm_dir: str, prefix: str) -> ShmUsage:
     )
 
 
+def probe_directory(directory: str) -> str:
+    """Where the first persist will write: ``directory``, or, while it is not made yet (the
+    saver makes it then; a job that has only saved to memory has none), its nearest ancestor
+    that exists.  OSError when that ancestor is not a directory (the saver could not make it)."""
+    path = os.path.abspath(directory)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+    return path
+
+
 def fsync_probe(directory: str, node: str) -> float:
-    """Seconds to write, fsync and remove a small file in ``directory``; OSError if refused."""
-    path = os.path.join(directory, f".dlrover-hpc-health-{node}-{os.getpid()}")
+    """Seconds to write, fsync and remove a small file where ``directory``'s first persist
+    will write (:func:`probe_directory`); OSError if refused."""
+    path = os.path.join(probe_directory(directory), f".dlrover-hpc-health-{node}-{os.getpid()}")
     began = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:

@@ -31,7 +31,14 @@ from dlrover_hpc.master.nodes import (
     rank_input,
     round_assignments,
 )
-from dlrover_hpc.master.phases import ENDED, FORMING, Phase, check_transition, ended_phase
+from dlrover_hpc.master.phases import (
+    ENDED,
+    FORMING,
+    TRANSITIONS,
+    Phase,
+    check_transition,
+    ended_phase,
+)
 from dlrover_hpc.master.relaunch_plan import RelaunchBook
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.rendezvous.ranking import rank_nodes
@@ -429,7 +436,12 @@ class Job:
     def finish(self, exit_code: int, reason: str) -> None:
         if self.ended:
             return
-        self._enter(ended_phase(exit_code))
+        phase = ended_phase(exit_code)
+        if self.stopping and phase not in TRANSITIONS[self.phase]:
+            # A graceful stop while a round forms (no worker ran to success): the job is
+            # stopped, "failed" among the phases, though its exit code says it was continued.
+            phase = Phase.FAILED
+        self._enter(phase)
         if self.stopping and not reason.startswith(self.stopping):
             reason = f"{self.stopping}; {reason}"
         self.exit_code, self.finish_reason = exit_code, reason

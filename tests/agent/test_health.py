@@ -272,10 +272,22 @@ def test_storage_probe_writes_fsyncs_and_removes(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # nothing left behind
 
 
-def test_storage_probe_of_a_missing_directory(tmp_path: Path) -> None:
-    r = asyncio.run(health.storage_reading(str(tmp_path / "gone"), "node1", 5.0))
+def test_storage_probe_of_a_directory_not_made_yet_writes_where_the_saver_will(
+    tmp_path: Path,
+) -> None:
+    """A job that has saved only to memory has no checkpoint directory yet (the saver makes
+    it at the first persist): its nearest existing ancestor is probed, nothing is made or left
+    behind.  (Failing here drained every survivor of a requeued job that never persisted.)"""
+    r = asyncio.run(health.storage_reading(str(tmp_path / "ck" / "run1"), "node1", 5.0))
+    assert r.status is OK, r
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_storage_probe_under_a_file_fails(tmp_path: Path) -> None:
+    (tmp_path / "ck").write_text("a file where the checkpoint directory should be")
+    r = asyncio.run(health.storage_reading(str(tmp_path / "ck" / "run1"), "node1", 5.0))
     assert r.status is FAILED
-    assert "is not writable: No such file or directory" in r.reason
+    assert "is not writable: Not a directory" in r.reason
 
 
 def test_storage_probe_that_hangs_fails_at_its_bound() -> None:

@@ -721,3 +721,26 @@ def test_a_job_ended_by_a_crash_loop_is_never_continued(tmp_path: Path, loop: bo
         assert continuer.calls == ([] if loop else [-1])
 
     run(body)
+
+
+def test_a_stop_while_a_round_forms_ends_the_job_without_an_error(tmp_path: Path) -> None:
+    """SIGTERM (a preemption) while the job waits below MAX for a lost node: no round trains,
+    so the job ends at once with exit 0 (continued); the phase table has no way from a
+    forming phase to ``finished`` (that is every worker succeeding), so it is ``failed``
+    (a batch-host test's requeued run raised TransitionError here)."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2", heartbeat_timeout_s=5.0)
+        a, _ = h.start("n1", "n2")
+        h.clock.now += 4.0
+        h.agents.heartbeat(m.Heartbeat(agent_id=a, round=1))
+        h.clock.now += 2.0
+        h.agents.check_liveness()
+        assert h.job.phase is Phase.SHRINKING
+        stopper = GracefulStop(h.job, StepLog(h.job.emit), lambda *_: None, lead_s=90.0)
+        stopper.request(None, "SIGTERM from Slurm", within_s=20.0)
+        assert h.job.ended and h.job.exit_code == 0 and h.job.phase is Phase.FAILED
+        [finished] = h.events("job_finished")
+        assert "no round was running" in finished["reason"], finished
+
+    run(body)

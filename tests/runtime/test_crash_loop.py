@@ -112,25 +112,13 @@ def test_a_segfault_at_the_same_step_in_every_attempt_ends_as_a_crash_loop(
 def test_standalone_crash_loop_exits_3_with_the_failure_named(tmp_path: Path) -> None:
     """No Slurm: rank 0 exits 3 at start in every attempt (no step, so round 1 makes no
     progress either); --max-restarts=9 would allow 9 more."""
-    bad = tmp_path / "bad.py"
-    bad.write_text(
+    proc = _standalone(
+        tmp_path,
         "import os, sys\n"
         "if os.environ['LOCAL_RANK'] == '0':\n"
-        "    raise RuntimeError('bad config: no such dataset /data/x')\n"
-    )
-    proc = subprocess.run(
-        [
-            str(BIN / "dlrover-run"),
-            "--standalone",
-            "--nproc-per-node=2",
-            "--max-restarts=9",
-            f"--job-dir={tmp_path / 'job'}",
-            str(bad),
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=180,
+        "    raise RuntimeError('bad config: no such dataset /data/x')\n",
+        "--nproc-per-node=2",
+        "--max-restarts=9",
     )
     assert proc.returncode == EXIT_CODE, proc.stderr[-3000:]
     evs = events(tmp_path / "job")
@@ -147,15 +135,29 @@ def test_dlrover_run_sets_the_guard_of_its_in_process_master(
 ) -> None:
     """``dlrover-run --crash-loop-rounds`` reaches a standalone master: 2 stops the loop after
     two rounds; 0 turns the guard off, and the restart budget (3) ends the job as before."""
+    proc = _standalone(
+        tmp_path,
+        "raise RuntimeError('bad config: no such dataset /data/x')\n",
+        "--nproc-per-node=1",
+        "--max-restarts=3",
+        f"--crash-loop-rounds={rounds}",
+    )
+    assert proc.returncode == code, proc.stderr[-3000:]
+    evs = events(tmp_path / "job")
+    assert len(named(evs, "crash_loop")) == (1 if code == EXIT_CODE else 0), evs
+    assert len(named(evs, "rendezvous_complete")) == started, named(evs, "rendezvous_complete")
+
+
+def _standalone(tmp_path: Path, script: str, *flags: str) -> subprocess.CompletedProcess[str]:
+    """``dlrover-run --standalone FLAGS bad.py`` (``script``), its job directory under
+    ``tmp_path/job``."""
     bad = tmp_path / "bad.py"
-    bad.write_text("raise RuntimeError('bad config: no such dataset /data/x')\n")
-    proc = subprocess.run(
+    bad.write_text(script)
+    return subprocess.run(
         [
             str(BIN / "dlrover-run"),
             "--standalone",
-            "--nproc-per-node=1",
-            "--max-restarts=3",
-            f"--crash-loop-rounds={rounds}",
+            *flags,
             f"--job-dir={tmp_path / 'job'}",
             str(bad),
         ],
@@ -164,7 +166,3 @@ def test_dlrover_run_sets_the_guard_of_its_in_process_master(
         text=True,
         timeout=180,
     )
-    assert proc.returncode == code, proc.stderr[-3000:]
-    evs = events(tmp_path / "job")
-    assert len(named(evs, "crash_loop")) == (1 if code == EXIT_CODE else 0), evs
-    assert len(named(evs, "rendezvous_complete")) == started, named(evs, "rendezvous_complete")
