@@ -155,10 +155,14 @@ def judge(
         guard = dataclasses.replace(guard, streak=(*guard.streak, failure))
         if len(guard.streak) >= guard.rounds:
             return guard, stop(guard.streak)
-    if failure is None:
-        return guard, []
+    if failure is None or failure.classification == d.PEER:
+        return guard, []  # a node whose worker only lost a peer did not fail on its own
     node = failure.node
-    caused = [f.round for f in guard.window if f is not None and f.node == node]
+    caused = [
+        f.round
+        for f in guard.window
+        if f is not None and f.node == node and f.classification != d.PEER
+    ]
     others = {n for n in usable if n != node}
     out = node in guard.excluded or node in excluded
     if len(caused) >= 2 and not out and len(others) >= min_nodes:

@@ -373,3 +373,21 @@ def test_the_exit_code_is_its_own_and_the_template_never_trains_after_it() -> No
     script = (template.TEMPLATES / "train.sbatch").read_text()
     assert f'if [ "$verdict" = {cl.EXIT_CODE} ]; then' in script
     assert f"        exit {cl.EXIT_CODE}\n" in script
+
+
+@pytest.mark.parametrize("kinds", [("software", "peer"), ("peer", "software"), ("peer", "peer")])
+def test_a_round_a_node_only_lost_a_peer_in_does_not_count_towards_its_exclusion(
+    kinds: tuple[str, str],
+) -> None:
+    """Rank 3 on n1 is killed (software) and the job trains on; then another node dies and
+    n1's worker is the first to report that it lost its peer (a round's cause when no own
+    failure came first).  n1 failed on its own once: it stays (the in-process
+    runtime test saw such a node excluded: the job went on without it)."""
+    guard = cl.Guard(rounds=3)
+    said = []
+    for r, kind in enumerate(kinds, start=1):
+        guard, actions = cl.judge(
+            guard, end(r, fail(r, kind=kind), step=10 * r), usable=NODES, min_nodes=2
+        )
+        said += actions
+    assert said == []
