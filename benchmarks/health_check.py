@@ -23,7 +23,6 @@ import json
 import os
 import secrets
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from local_master import start_master  # noqa: E402
 
 from dlrover_hpc.agent import health  # noqa: E402
 from dlrover_hpc.agent import health_rules as rules  # noqa: E402
@@ -46,30 +47,6 @@ def _stats(ms: list[float]) -> dict[str, float]:
         "median_ms": round(statistics.median(ordered), 3),
         "p90_ms": round(ordered[int(0.9 * (len(ordered) - 1))], 3),
     }
-
-
-def _start_master(job_dir: str, token: str) -> tuple[subprocess.Popen[bytes], int]:
-    env = {**os.environ, "DLROVER_HPC_TOKEN": token, "DLROVER_HPC_LOG_LEVEL": "WARNING"}
-    master = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dlrover_hpc.cli.main",
-            "master",
-            "--host=127.0.0.1",
-            "--port=0",
-            "--nnodes=1:1",
-            f"--job-dir={job_dir}",
-        ],
-        env=env,
-    )
-    info = Path(job_dir) / "master.json"
-    deadline = time.monotonic() + 60
-    while not info.exists():
-        if time.monotonic() > deadline or master.poll() is not None:
-            raise RuntimeError("the master did not start")
-        time.sleep(0.05)
-    return master, int(json.loads(info.read_text())["port"])
 
 
 async def measure(args: argparse.Namespace, port: int, token: str, ckpt_dir: str) -> dict:
@@ -136,7 +113,7 @@ def main() -> None:
             dir=args.ckpt_dir or os.getcwd(), prefix=".health-bench-"
         ) as ckpt_dir,
     ):
-        master, port = _start_master(job_dir, token)
+        master, port = start_master(job_dir, token, "--nnodes=1:1")
         try:
             checks = asyncio.run(measure(args, port, token, ckpt_dir))
         finally:

@@ -25,6 +25,8 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from local_master import start_master
+
 from dlrover_hpc.config import DEFAULT_LINK_TIMEOUT_S
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol import wire
@@ -287,30 +289,10 @@ def _wait_idle(pid: int, *, timeout_s: float = 60.0) -> None:
 def run_one(n: int, *, streams: bool) -> dict:
     token = secrets.token_hex(16)
     with tempfile.TemporaryDirectory() as job_dir:
-        env = {**os.environ, "DLROVER_HPC_TOKEN": token, "DLROVER_HPC_LOG_LEVEL": "WARNING"}
-        master = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "dlrover_hpc.cli.main",
-                "master",
-                "--host=127.0.0.1",
-                "--port=0",
-                f"--nnodes={n}:{n}",
-                f"--job-dir={job_dir}",
-                "--last-call=0",
-                "--heartbeat-timeout=600",
-            ],
-            env=env,
+        master, port = start_master(
+            job_dir, token, f"--nnodes={n}:{n}", "--last-call=0", "--heartbeat-timeout=600"
         )
         try:
-            info_path = Path(job_dir) / "master.json"
-            deadline = time.monotonic() + 60
-            while not info_path.exists():
-                if time.monotonic() > deadline or master.poll() is not None:
-                    raise RuntimeError("master did not start")
-                time.sleep(0.05)
-            port = json.loads(info_path.read_text())["port"]
             _wait_idle(master.pid)
             cpu_before, fleet_before = _cpu_s(master.pid), _cpu_s(os.getpid())
             sys_before = _cpu_s(master.pid, system=True), _cpu_s(os.getpid(), system=True)

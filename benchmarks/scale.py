@@ -48,6 +48,8 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from local_master import start_master  # noqa: E402
+
 from dlrover_hpc.checkpoint.event_sinks import JsonlEventSink  # noqa: E402
 from dlrover_hpc.errors import ProtocolError  # noqa: E402
 from dlrover_hpc.events import EventName  # noqa: E402
@@ -462,28 +464,12 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _start_master(n: int, job_dir: str, token: str) -> tuple[subprocess.Popen[bytes], int]:
-    env = {**os.environ, "DLROVER_HPC_TOKEN": token, "DLROVER_HPC_LOG_LEVEL": "WARNING"}
-    master = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dlrover_hpc.cli.main",
-            "master",
-            "--host=127.0.0.1",
-            "--port=0",
-            f"--nnodes={n // 2}:{n}",  # a lost node leaves a smaller round, not a wait
-            f"--job-dir={job_dir}",
-            "--last-call=60",  # the round forms when all n joined
-        ],
-        env=env,
+    return start_master(
+        job_dir,
+        token,
+        f"--nnodes={n // 2}:{n}",  # a lost node leaves a smaller round, not a wait
+        "--last-call=60",  # the round forms when all n joined
     )
-    info = Path(job_dir) / "master.json"
-    deadline = time.monotonic() + 60
-    while not info.exists():
-        if time.monotonic() > deadline or master.poll() is not None:
-            raise RuntimeError("the master did not start")
-        time.sleep(0.05)
-    return master, json.loads(info.read_text())["port"]
 
 
 def _stop_master(master: subprocess.Popen[bytes]) -> None:
