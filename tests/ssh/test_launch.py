@@ -25,6 +25,10 @@ pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="SSH hosts in network namespaces need root"
 )
 
+# A whole job's bound. On a loaded 2-core CI machine one SSH job took 18 s to connect and 30 s to
+# import torch in its workers, and ran out of a 120 s bound at step 1: bounds are generous.
+JOB_S = 300
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdCluster]:
@@ -73,7 +77,7 @@ class Launch:
             self.proc.wait()
         raise AssertionError(f"launch did not end in {timeout_s} s:\n{self.output[-4000:]}")
 
-    def wait_step(self, step: int, timeout_s: float = 90) -> None:
+    def wait_step(self, step: int, timeout_s: float = 180) -> None:
         wait_for(
             lambda: f": step {step} loss" in self.output or self.proc.poll() is not None,
             timeout_s=timeout_s,
@@ -180,7 +184,7 @@ def test_ddp_job_over_three_hosts(cluster: SshdCluster, tmp_path: Path) -> None:
     commands = [cmd for h in cluster.hosts for _, cmd in cluster.processes(h)]
     assert any("dlrover-run" in cmd for cmd in commands)
     assert not [cmd for cmd in commands if token in cmd]
-    assert job.wait(90) == 0, job.output[-4000:]
+    assert job.wait(JOB_S) == 0, job.output[-4000:]
     assert json.loads((tmp_path / "result.json").read_text()) == {
         "final_step": 10,
         "world_size": 4,
@@ -213,7 +217,7 @@ def test_killed_agent_hands_its_place_to_the_spare(cluster: SshdCluster, tmp_pat
     assert len(first) == 3, first
     victim = first[1]
     kill_agent(cluster, victim)
-    assert job.wait(120) == 0, job.output[-4000:]
+    assert job.wait(JOB_S) == 0, job.output[-4000:]
     evs = events(job.job_dir)
     assert [e["node"] for e in named(evs, "node_lost")] == [victim]
     assert [e["node"] for e in named(evs, "node_admitted")] == [spare]
@@ -245,7 +249,7 @@ def test_cut_link_hands_its_place_to_the_spare(cluster: SshdCluster, tmp_path: P
         wait_for(lambda: cluster.find(spare, "dlrover-run"), timeout_s=30, what="the spare")
         victim = last_round(job.job_dir)[2]
         cluster.cut_link(victim)
-        assert job.wait(120) == 0, job.output[-4000:]
+        assert job.wait(JOB_S) == 0, job.output[-4000:]
     finally:
         if victim:
             cluster.heal_link(victim)
@@ -277,7 +281,7 @@ def test_hardware_fault_blocklists_the_host(cluster: SshdCluster, tmp_path: Path
         ],
         env={"DLROVER_HPC_BLOCKLIST": str(shared)},
     )
-    assert job.wait(120) == 0, job.output[-4000:]
+    assert job.wait(JOB_S) == 0, job.output[-4000:]
     evs = events(job.job_dir)
     hardware = [e for e in named(evs, "worker_failed") if e["classification"] == "hardware"]
     assert len(hardware) == 1, named(evs, "worker_failed")
