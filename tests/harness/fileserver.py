@@ -164,8 +164,11 @@ class FileServer:
             _run(["ip", "netns", "add", self.netns])
         _run(["ip", "-n", self.netns, "link", "set", "lo", "up"])
         if not Path(f"/sys/class/net/{self.veth}").exists():
+            # The same MAC address every time: a node's neighbour entry for the address, left
+            # from the server before, stays right (else its connect times out on it).
+            mac = f"02:00:0a:4d:{cfg.index:02x}:{self.config.host:02x}"
             _run(["ip", "link", "add", self.veth, "type", "veth"]
-                 + ["peer", "name", "eth0", "netns", self.netns])
+                 + ["peer", "name", "eth0", "address", mac, "netns", self.netns])
         _run(["ip", "link", "set", self.veth, "master", cfg.bridge, "up"])
         _run(["ip", "-n", self.netns, "addr", "replace", f"{self.address}/24", "dev", "eth0"])
         _run(["ip", "-n", self.netns, "link", "set", "eth0", "up"])
@@ -392,6 +395,7 @@ class SshfsServer(FileServer):
             f"{self.address}:{self.export}",
             str(self.mount_point),
         ]
+        self.node_exec(node, ["ip", "neigh", "flush", "to", self.address])
         self._mounts[node] = client = self._spawn(argv, f"sshfs-{node}.log")
         deadline = time.monotonic() + timeout_s
         while not self.node_mounted(node):
@@ -402,6 +406,7 @@ class SshfsServer(FileServer):
             if time.monotonic() > deadline:
                 raise FileServerError(f"sshfs on {node} did not mount in {timeout_s} s")
             time.sleep(0.05)
+        self.node_exec(node, ["stat", "-f", str(self.mount_point)])  # a round trip: it answers
 
     def _unmount_argvs(self) -> list[list[str]]:
         mnt = str(self.mount_point)
