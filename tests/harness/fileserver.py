@@ -135,8 +135,8 @@ class FileServer:
             self.config.state_dir.mkdir(parents=True, exist_ok=True)
             self.export.mkdir(exist_ok=True)
             self.mount_point.mkdir(parents=True, exist_ok=True)
-            _run(["mount", "-t", "tmpfs", "-o", f"size={self.config.size},mode=755"]
-                 + ["tmpfs", str(self.export)])
+            options = f"size={self.config.size},mode=755"
+            _run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(self.export)])
             self._tmpfs = True
             self._setup_network()
             self._server = self._serve()
@@ -167,8 +167,8 @@ class FileServer:
             # The same MAC address every time: a node's neighbour entry for the address, left
             # from the server before, stays right (else its connect times out on it).
             mac = f"02:00:0a:4d:{cfg.index:02x}:{self.config.host:02x}"
-            _run(["ip", "link", "add", self.veth, "type", "veth"]
-                 + ["peer", "name", "eth0", "address", mac, "netns", self.netns])
+            peer = ["peer", "name", "eth0", "address", mac, "netns", self.netns]
+            _run(["ip", "link", "add", self.veth, "type", "veth", *peer])
         _run(["ip", "link", "set", self.veth, "master", cfg.bridge, "up"])
         _run(["ip", "-n", self.netns, "addr", "replace", f"{self.address}/24", "dev", "eth0"])
         _run(["ip", "-n", self.netns, "link", "set", "eth0", "up"])
@@ -381,8 +381,9 @@ class SshfsServer(FileServer):
         port = self.config.port
         listen = f"TCP-LISTEN:{port},fork,reuseaddr"
         # nofork: the connection's socket is sftp-server's stdin and stdout (no relay process)
-        return self._spawn(self._in_netns(["socat", listen, f"EXEC:{SFTP_SERVER},nofork"]),
-                           "server.log")
+        return self._spawn(
+            self._in_netns(["socat", listen, f"EXEC:{SFTP_SERVER},nofork"]), "server.log"
+        )
 
     def _mount(self, node: str, timeout_s: float) -> None:
         options = ",".join([f"directport={self.config.port}", *SSHFS_OPTIONS])
@@ -400,9 +401,8 @@ class SshfsServer(FileServer):
         deadline = time.monotonic() + timeout_s
         while not self.node_mounted(node):
             if client.poll() is not None:
-                raise FileServerError(
-                    f"sshfs on {node} exited ({client.returncode}): {self._log(f'sshfs-{node}.log')}"
-                )
+                log = self._log(f"sshfs-{node}.log")
+                raise FileServerError(f"sshfs on {node} exited ({client.returncode}): {log}")
             if time.monotonic() > deadline:
                 raise FileServerError(f"sshfs on {node} did not mount in {timeout_s} s")
             time.sleep(0.05)

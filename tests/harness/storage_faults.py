@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import subprocess
 import threading
 import time
@@ -22,7 +23,6 @@ from typing import Any
 from runtime_helpers import TRAIN, events, named, sbatch, timing_log, wait_job
 
 from dlrover_hpc.localslurm import wait_for
-
 from harness.fileserver import FileServer
 
 FLASH = TRAIN.parent / "train_flash_ckpt.py"
@@ -125,7 +125,7 @@ def run_matrix(
     kinds: Sequence[StorageFault],
     *,
     hold_s: Callable[[StorageFault], float],
-    warmup_steps: int = 40,
+    warmup_steps: int = 60,
     settle_s: float = 30.0,
     job_timeout_s: float = 300.0,
 ) -> MatrixRun:
@@ -240,12 +240,15 @@ def analyze(
         # the gap that spans the fault's start counts too: the step before it, then the next
         prev = before[-1:] if before else []
         rows = prev + span
-        gaps = [b[0] - a[0] for a, b in zip(rows, rows[1:], strict=False)]
+        gaps = [b[0] - a[0] for a, b in itertools.pairwise(rows)]
         if not span:  # no step at all while it lasted: the whole time is one gap
             gaps.append(recovered - (prev[0][0] if prev else w.begin))
         held = w.end - w.begin
-        during = sum(1 for t, _ in timing if w.begin <= t <= w.end)
-        earlier = sum(1 for t, _ in timing if w.begin - held <= t < w.begin)
+        during = sum(1 for t, _ in timing if w.begin <= t <= w.end) / held if held else 0.0
+        # as long before it, but not the first seconds of training (warming up)
+        since = max(w.begin - held, timing[0][0] + 2.0) if timing else w.begin
+        earlier = sum(1 for t, _ in timing if since <= t < w.begin)
+        earlier_rate = earlier / (w.begin - since) if w.begin > since else 0.0
         seen_until = [s for t, s in timing if t <= until]
         steps_lost = len(seen_until) - len(set(seen_until))
         stalled = [
@@ -259,7 +262,7 @@ def analyze(
                 held_s=held,
                 steps_lost=steps_lost - sum(o.steps_lost for o in out),
                 longest_gap_s=max(gaps, default=0.0),
-                rate_ratio=during / earlier if earlier else 0.0,
+                rate_ratio=during / earlier_rate if earlier_rate else 0.0,
                 durable_after_s=None if w.durable_at is None else w.durable_at - w.end,
                 stalled_events=len(stalled),
             )
