@@ -128,8 +128,9 @@ def train(args: argparse.Namespace) -> None:
             opt.step()
             if args.step_time:
                 time.sleep(args.step_time)
-            last = step == args.steps or (args.until_file and _agreed(args.until_file, grouped))
-            if step % args.save_every == 0 or last:
+            stop = bool(args.until_file) and _agreed(args.until_file, grouped)
+            last = step == args.steps or stop
+            if step % args.save_every == 0 or stop:
                 disk = step % args.persist_every == 0 or last
                 saved = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
                 if (

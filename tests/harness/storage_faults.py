@@ -231,7 +231,7 @@ def analyze(
     """Per fault: steps trained again, the longest gap between two steps from the fault's
     start until its step was durable (or the next fault), the step rate during it against
     the same span before it, and how long its newest step took to become durable."""
-    out = []
+    out: list[FaultOutcome] = []
     for i, w in enumerate(windows):
         until = windows[i + 1].begin if i + 1 < len(windows) else float("inf")
         recovered = min(until, w.durable_at or w.end + 30.0)
