@@ -67,6 +67,15 @@ def main() -> None:
         "naming one starts a group even for one process)",
     )
     p.add_argument("--inprocess", action="store_true", help="survivors change rounds in-process")
+    p.add_argument(
+        "--ballast-mib", type=int, default=0, help="MiB of extra state in every checkpoint"
+    )
+    p.add_argument(
+        "--until-file",
+        default=None,
+        help="train until this file exists (all ranks agree each step), at most --steps; the "
+        "step it ends at is saved to disk",
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     (inprocess.wrap(train) if args.inprocess else train)(args)
@@ -95,6 +104,8 @@ def train(args: argparse.Namespace) -> None:
         template = {"model": model.state_dict(), "optimizer": opt.state_dict()}
         if args.sharded:
             template["rank_data"] = torch.zeros(4096)
+        if args.ballast_mib:
+            template["ballast"] = torch.zeros(args.ballast_mib << 18)  # float32: 4 bytes each
         state = ckpt.load_checkpoint(state_dict=template)
         start = 0
         if state:
@@ -106,6 +117,7 @@ def train(args: argparse.Namespace) -> None:
                 assert bool((mine == rank * 100000 + start).all()), f"rank {rank}: not its part"
         restored = ckpt.last_restored
 
+        final = args.steps
         gen = torch.Generator().manual_seed(1234 + rank)
         loss = torch.tensor(0.0)
         for step in range(start + 1, args.steps + 1):
@@ -116,8 +128,10 @@ def train(args: argparse.Namespace) -> None:
             opt.step()
             if args.step_time:
                 time.sleep(args.step_time)
-            if step % args.save_every == 0:
-                disk = step % args.persist_every == 0 or step == args.steps
+            stop = bool(args.until_file) and _agreed(args.until_file, grouped)
+            last = step == args.steps or stop
+            if step % args.save_every == 0 or stop:
+                disk = step % args.persist_every == 0 or last
                 saved = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
                 if (
                     step == args.poison_at_step
@@ -128,6 +142,8 @@ def train(args: argparse.Namespace) -> None:
                     next(iter(saved["model"].values())).view(-1)[0] = float("nan")
                 if args.sharded:
                     saved["rank_data"] = torch.full((4096,), float(rank * 100000 + step))
+                if args.ballast_mib:
+                    saved["ballast"] = torch.full((args.ballast_mib << 18,), float(step))
                 ckpt.save_checkpoint(
                     step, saved, storage_type=StorageType.DISK if disk else StorageType.MEMORY
                 )
@@ -150,6 +166,9 @@ def train(args: argparse.Namespace) -> None:
                 with open(marker, "w") as f:
                     f.write(str(step))
                 os.kill(os.getpid(), signal.SIGKILL)
+            if last:
+                final = step
+                break
 
         committed = ckpt.wait_latest_checkpoint(120)
         if rank == 0 and args.result:
@@ -158,7 +177,7 @@ def train(args: argparse.Namespace) -> None:
                     {
                         "start_step": start,
                         "restored": list(restored) if restored else None,
-                        "final_step": args.steps,
+                        "final_step": final,
                         "loss": float(loss.detach()),
                         "committed": committed,
                         "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
@@ -177,6 +196,14 @@ def train(args: argparse.Namespace) -> None:
     if grouped:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _agreed(path: str, grouped: bool) -> bool:
+    """Whether any rank sees ``path`` (every rank gets the same answer: they stop together)."""
+    seen = torch.tensor([1 if os.path.exists(path) else 0])
+    if grouped:
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    return bool(seen.item())
 
 
 if __name__ == "__main__":
