@@ -67,6 +67,7 @@ LONGEST_FIRST = (
     "tests/runtime/test_continuation.py",
     "tests/ssh/test_launch.py",  # each worker that runs one brings up 4 SSH hosts of its own
     "tests/runtime/test_report.py",
+    "tests/runtime/test_storage_faults.py",  # a 40 s file-server stall, then four more faults
     "tests/runtime/test_frameworks.py",  # 10 jobs of 2 nodes, side by side
     "tests/runtime/test_dlrover_examples.py",
     "tests/runtime/test_elastic_batch.py",
