@@ -41,7 +41,10 @@ log = logging.getLogger(__name__)
 PERSIST_SAMPLES = 5
 #: A request whose step has not committed after this long (plus its lead and persists) is
 #: given up, and the next one asks a later step.
-REQUEST_TIMEOUT_S = 30.0
+REQUEST_TIMEOUT_S = 5.0
+#: The step asked is this far ahead of the ranks at least (:meth:`AutoPersist._notice_s` less
+#: a heartbeat): asked this long before the interval ends.
+ASK_AHEAD_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -137,7 +140,9 @@ class AutoPersist:
             self._asked = None
         if self.interval is None:  # auto, no persist measured yet: measure one now
             self._ask(now, "first persist: measuring its time")
-        elif now - self._durable_at >= self.interval.interval_s:
+        elif now - self._durable_at >= self.interval.interval_s - ASK_AHEAD_S:
+            # the ranks reach the asked step at least this long after the ask (the steps
+            # reported are up to a heartbeat old): it commits once the interval has passed
             self._ask(now, f"storage's newest step is {now - self._durable_at:.1f} s old")
 
     def _timeout_s(self) -> float:
@@ -145,7 +150,10 @@ class AutoPersist:
         return REQUEST_TIMEOUT_S + self._notice_s() + 4 * measured
 
     def _notice_s(self) -> float:
-        return 2 * self.job.config.heartbeat_every_s + 1.0
+        """How far ahead the asked step is: the steps reported are up to a heartbeat old, and
+        a second for the request to reach every node (a rank already past it by two saves
+        is left out, and the step asked again later)."""
+        return self.job.config.heartbeat_every_s + 1.0
 
     def _choose(self) -> None:
         """The interval from what is known now; said when chosen or moved by over a tenth."""
@@ -185,8 +193,11 @@ class AutoPersist:
         saved = self.job.saved_steps() if self.job.saved_steps is not None else None
         if saved is None or saved[0] < 0:
             return  # not every rank holds a step in memory yet: nothing to persist
+        rate = self.steps.step_rate()
+        if rate <= 0:
+            return  # unknown yet: a step asked too close would be behind the ranks already
         newest = max(self.steps.newest, saved[1], saved[0])
-        step = stop_step(newest, self.steps.step_rate(), self._notice_s())
+        step = stop_step(newest, rate, self._notice_s())
         notice = m.PersistStep(step=step, reason=why)
         targets = [r for r in self.job.participants() if r.state is NodeState.ACTIVE]
         if not targets:
