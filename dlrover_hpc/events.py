@@ -63,6 +63,13 @@ class EventName(StrEnum):
     CHECKPOINT_PERSISTED = "checkpoint_persisted"  # a step committed on storage
     CHECKPOINT_PERSIST_FAILED = "checkpoint_persist_failed"  # storage refused (step, error)
     CHECKPOINT_STORAGE_LOW = "checkpoint_storage_low"  # room for < 2 more checkpoints
+    #: a persist in flight made no progress for 5 s (seconds, path, step, node; ongoing: true),
+    #: then once more when storage answered or the persist ended (ongoing: false, the seconds
+    #: it lasted); training never waits for it
+    PERSIST_STALLED = "persist_stalled"
+    #: a step waiting for storage whose buffer a newer save took: the newer step (by_step) is
+    #: persisted instead (step, by_step, ranks, node)
+    CHECKPOINT_SUPERSEDED = "checkpoint_superseded"
     CHECKPOINT_RESTORED = "checkpoint_restored"  # a rank restored (step, source)
     RESTORE_REJECTED = "restore_rejected"  # a restored step failed its check (step, source, why)
     CHECKPOINT_REPLICATED = "checkpoint_replicated"  # a node's part copied to peers' memory

@@ -36,7 +36,15 @@ import orjson
 from dlrover_hpc.errors import ReportError
 from dlrover_hpc.report import fields
 from dlrover_hpc.report import lanes as _lanes
-from dlrover_hpc.report.model import Cause, Marker, NodeSummary, Report, Round, Stats
+from dlrover_hpc.report.model import (
+    Cause,
+    Marker,
+    NodeSummary,
+    Report,
+    Round,
+    Stats,
+    StorageStall,
+)
 
 #: events after which the next step interval is not an undisturbed one
 DISTURBING = frozenset(
@@ -74,6 +82,8 @@ class Analysis:
         self.markers: list[tuple[float, str | None, str, str]] = []
         self.crash_loop: dict[str, Any] | None = None  # the crash_loop event, if the job had one
         self.persist_interval = ""  # the newest persist_interval's, described (--persist-every)
+        #: storage stalls (persist_stalled), by (node, since): [seconds, ongoing]
+        self.stalls: dict[tuple[str, float], list[Any]] = {}
 
     # ------------------------------------------------------------------ folding
     def add(self, e: dict[str, Any]) -> None:
@@ -140,6 +150,21 @@ class Analysis:
             case "persist_interval":
                 self.persist_interval = every = describe_persist_interval(e)
                 self.markers.append((t, None, "checkpoint", f"persist every {every}"))
+            case "persist_stalled":
+                seconds = float(e["seconds"])
+                since = float(e.get("since") or t - seconds)
+                key = (str(node or "?"), round(since, 1))
+                if key not in self.stalls:
+                    self.markers.append(
+                        (since, node, "storage", f"storage stalled ({e.get('path', '?')})")
+                    )
+                stall = self.stalls.setdefault(key, [0.0, True])
+                stall[0] = max(stall[0], seconds)
+                stall[1] = stall[1] and bool(e.get("ongoing"))
+                if not e.get("ongoing"):
+                    self.markers.append(
+                        (t, node, "storage", f"storage answered after {seconds:.0f} s")
+                    )
             case "master_recovered":
                 self.markers.append((t, None, "master", f"downtime {e.get('downtime_s')} s"))
             case _:
@@ -221,6 +246,10 @@ class Analysis:
             nodes=self._nodes(spans),
             repeated_failure=repeated_failure(self.crash_loop),
             persist_interval=self.persist_interval,
+            storage_stalls=[
+                StorageStall(node, round(since - start, 3), round(v[0], 3), bool(v[1]))
+                for (node, since), v in sorted(self.stalls.items(), key=lambda kv: kv[0][1])
+            ],
             spans=spans,
             markers=[
                 Marker(round(t - start, 3), node, kind, label)

@@ -49,6 +49,7 @@ _FIELDS: Mapping[str, tuple[Mapping[str, Kind], Mapping[str, Kind]]] = {
         {"interval_s": Kind.NUMBER, "mode": Kind.TEXT},
         {"persist_s": Kind.NUMBER, "mtbf_s": Kind.NUMBER, "mtbf_source": Kind.TEXT},
     ),
+    EventName.PERSIST_STALLED: ({"seconds": Kind.NUMBER}, {"since": Kind.TIME}),
 }
 #: Any event may name its node; a hang names its suspect.
 _ANY: Mapping[str, Kind] = {"node": Kind.NODE, "suspected_node": Kind.NODE}

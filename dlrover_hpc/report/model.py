@@ -69,7 +69,17 @@ class Marker:
     time: float
     node: str | None  # None: the whole job (a committed checkpoint, a requeue)
     kind: str  # failure | lost | hang | drained | straggler | checkpoint | requeue | master
-    label: str
+    label: str  # | storage
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StorageStall:
+    """A time a node's persist got no answer from storage (``persist_stalled``)."""
+
+    node: str
+    start: float  # seconds since the job started
+    seconds: float
+    ongoing: bool  # not over when the log ends
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -139,6 +149,7 @@ class Report:
     repeated_failure: str = ""
     #: --persist-every: the newest interval chosen, in words ("" when it was off)
     persist_interval: str = ""
+    storage_stalls: list[StorageStall] = dataclasses.field(default_factory=list)
     spans: list[Span] = dataclasses.field(default_factory=list)
     markers: list[Marker] = dataclasses.field(default_factory=list)
 

@@ -78,6 +78,13 @@ def checkpoint_table(r: Report) -> Table:
     t.caption = f"newest committed step: {newest}" + (f"; restores: {sources}" if sources else "")
     if r.persist_interval:
         t.caption += f"; persist interval: {r.persist_interval}"
+    if r.storage_stalls:
+        longest = max(r.storage_stalls, key=lambda s: s.seconds)
+        t.caption += (
+            f"; storage stalls: {len(r.storage_stalls)}, longest {longest.seconds:.0f} s "
+            f"on {longest.node} at +{longest.start:.0f} s"
+            + (" (still stalled)" if any(s.ongoing for s in r.storage_stalls) else "")
+        )
     t.caption_justify = "left"
     return t
 
