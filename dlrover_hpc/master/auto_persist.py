@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,10 +42,13 @@ log = logging.getLogger(__name__)
 PERSIST_SAMPLES = 5
 #: A request whose step has not committed after this long (plus its lead and persists) is
 #: given up, and the next one asks a later step.
-REQUEST_TIMEOUT_S = 5.0
-#: The step asked is this far ahead of the ranks at least (:meth:`AutoPersist._notice_s` less
-#: a heartbeat): asked this long before the interval ends.
-ASK_AHEAD_S = 1.0
+REQUEST_TIMEOUT_S = 3.0
+#: The step asked is this far ahead of where the ranks are now (their newest reports, projected
+#: at the step rate), so the request reaches every node first; it is asked this long before the
+#: interval ends, so that it commits when the interval has passed.  A projection that falls
+#: short (a rate measured over a round's slow first steps) only brings the commit forward, up
+#: to this much; past it, the ranks have saved beyond the step and it is asked again.
+ASK_AHEAD_S = 2.5
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,19 +145,13 @@ class AutoPersist:
         if self.interval is None:  # auto, no persist measured yet: measure one now
             self._ask(now, "first persist: measuring its time")
         elif now - self._durable_at >= self.interval.interval_s - ASK_AHEAD_S:
-            # the ranks reach the asked step at least this long after the ask (the steps
-            # reported are up to a heartbeat old): it commits once the interval has passed
+            # the ranks reach the asked step about this long after the ask: it commits
+            # about when storage's newest step is the interval old
             self._ask(now, f"storage's newest step is {now - self._durable_at:.1f} s old")
 
     def _timeout_s(self) -> float:
         measured = self.persist_s() or 0.0
-        return REQUEST_TIMEOUT_S + self._notice_s() + 4 * measured
-
-    def _notice_s(self) -> float:
-        """How far ahead the asked step is: the steps reported are up to a heartbeat old, and
-        a second for the request to reach every node (a rank already past it by two saves
-        is left out, and the step asked again later)."""
-        return self.job.config.heartbeat_every_s + 1.0
+        return REQUEST_TIMEOUT_S + ASK_AHEAD_S + 4 * measured
 
     def _choose(self) -> None:
         """The interval from what is known now; said when chosen or moved by over a tenth."""
@@ -196,8 +194,9 @@ class AutoPersist:
         rate = self.steps.step_rate()
         if rate <= 0:
             return  # unknown yet: a step asked too close would be behind the ranks already
-        newest = max(self.steps.newest, saved[1], saved[0])
-        step = stop_step(newest, rate, self._notice_s())
+        # A rank already past the step by two saves is left out (the step asked again later).
+        newest = max(self.steps.projected(time.time(), rate), saved[1], saved[0])
+        step = stop_step(newest, rate, ASK_AHEAD_S)
         notice = m.PersistStep(step=step, reason=why)
         targets = [r for r in self.job.participants() if r.state is NodeState.ACTIVE]
         if not targets:
