@@ -186,6 +186,8 @@ def test_a_save_during_a_hung_persist_never_waits_and_the_newest_step_is_persist
         check_filled(torch.load(tmp_path / "checkpoint-7.pt"), 7)
         assert not (tmp_path / "checkpoint-4.pt").exists()
         assert (tmp_path / "dlrover_latest.txt").read_text() == "7\n"
+        steps = [e["step"] for e in events.named("checkpoint_persisted") if e["committed"]]
+        assert steps == sorted(steps) == [1, 7], steps  # steps commit in order
     finally:
         gate.set()
         ckpt.close()

@@ -194,11 +194,16 @@ class SaverCore:
                 or info.ckpt_dir != old.info.ckpt_dir
                 or info.token != old.info.token
                 or header.step < old.info.step
+                or any(
+                    r.info.ckpt_dir == info.ckpt_dir and r.info.step >= header.step
+                    for r in self._queue
+                )
             ):
-                seg.unlock()  # no newer step of that save: the next DISK save persists
+                # no newer step of that save, or a queued one is newer (steps commit in order)
+                seg.unlock()
                 continue
             self._pinned.add(path)
-            self._queue.appendleft(_Request(path=path, segment=seg, header=header, info=info))
+            self._queue.append(_Request(path=path, segment=seg, header=header, info=info))
             self._wanted[info.ckpt_dir] = max(self._wanted.get(info.ckpt_dir, -1), header.step)
             logger.info(
                 "checkpoint superseded step=%d persisting=%d path=%s",
