@@ -122,6 +122,9 @@ class MasterConfig:
     requeue_by: RequeueBy = settings.REQUEUE_BY.default
     #: failed rounds in a row without progress that stop the job (master/crash_loop.py); 0: off
     crash_loop_rounds: int = settings.CRASH_LOOP_ROUNDS.default
+    #: persist a step held in memory this often (master/auto_persist.py); PERSIST_AUTO, 0: off
+    persist_every_s: float = settings.PERSIST_EVERY.default
+    node_mtbf_s: float = settings.NODE_MTBF.default  # the site's, per node (--persist-every auto)
 
     @property
     def heartbeat_every_s(self) -> float:
@@ -258,6 +261,9 @@ class RunConfig:
     health_check_timeout_s: float = settings.HEALTH_CHECK_TIMEOUT.default
     #: the crash-loop guard of an in-process master (copied by :func:`embedded_master_config`)
     crash_loop_rounds: int = settings.CRASH_LOOP_ROUNDS.default
+    #: an in-process master's --persist-every and --node-mtbf (copied by embedded_master_config)
+    persist_every_s: float = settings.PERSIST_EVERY.default
+    node_mtbf_s: float = settings.NODE_MTBF.default
 
     def __post_init__(self) -> None:
         nnodes = self.nnodes

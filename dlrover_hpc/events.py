@@ -73,3 +73,6 @@ class EventName(StrEnum):
     CHECKPOINT_RESTORED = "checkpoint_restored"  # a rank restored (step, source)
     RESTORE_REJECTED = "restore_rejected"  # a restored step failed its check (step, source, why)
     CHECKPOINT_REPLICATED = "checkpoint_replicated"  # a node's part copied to peers' memory
+    #: --persist-every chose or changed the interval between persists of a step in memory
+    #: (interval_s, mode auto or fixed; auto: persist_s, mtbf_s, mtbf_source observed or site)
+    PERSIST_INTERVAL = "persist_interval"

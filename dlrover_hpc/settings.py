@@ -25,9 +25,11 @@ from dlrover_hpc.values import (
     DrainMode,
     NodeRange,
     RequeueBy,
+    parse_duration,
     parse_hang_timeout,
     parse_host_port,
     parse_nproc,
+    parse_persist_every,
     parse_rdzv_conf,
 )
 
@@ -266,6 +268,37 @@ CONFIG: Setting[str | None] = Setting(
 #: Where the site's file is (set empty: none); ``--config``'s variable names the job's own.
 SITE_CONFIG: Setting[str | None] = Setting(
     key="site_config", default=None, field=None, in_file=False
+)
+
+#: ``--persist-every`` (issue 49): the master has every node persist the same step held in
+#: memory when storage's newest step is this old: ``auto`` (Young/Daly from the measured
+#: persist time and the job's MTBF, :mod:`dlrover_hpc.master.persist_interval`), a duration,
+#: or off (the default: only the script's DISK saves persist).
+PERSIST_EVERY = Setting(
+    key="persist_every",
+    flags=("--persist-every",),
+    default=0.0,
+    spelled="off",
+    parse=lambda text: parse_persist_every(text),
+    field="persist_every_s",
+    help="persist a step every rank holds in memory when storage's newest step is this old, "
+    "also when the script saves only to memory: auto (Young/Daly: sqrt(2 x persist time x "
+    "the job's MTBF) - persist time, from the measured persists and the failures seen, else "
+    "--node-mtbf), a duration (e.g. 600 or 10m), or off (default: only the script's DISK "
+    "saves persist)",
+)
+#: ``--node-mtbf``: the site's mean time between failures of one node, for ``--persist-every
+#: auto`` until the job has seen failures of its own.
+NODE_MTBF = Setting(
+    key="node_mtbf",
+    flags=("--node-mtbf",),
+    default=7 * 86400.0,
+    spelled="7d",
+    parse=lambda text: parse_duration(text, "--node-mtbf"),
+    field="node_mtbf_s",
+    help="the site's mean time between failures of one node (seconds, or with a unit: 12h, "
+    "7d), for --persist-every auto until the job has seen failures: the job's MTBF is it "
+    "divided by the node count (default 7d)",
 )
 
 # ------------------------------------------------------------------ dlrover-run: torchrun's
@@ -845,13 +878,13 @@ _RUN = (
     NUMA_BINDING, SIGNALS_TO_HANDLE, SHUTDOWN_TIMEOUT, VIRTUAL_LOCAL_RANK,
     MASTER, NETWORK_CHECK, EXCLUDE_STRAGGLER, NODE_UNIT, LINK_TIMEOUT, RECONNECT_TIMEOUT,
     HANG_TIMEOUT, STRAGGLER_FACTOR, REQUEUE_BY, *OFF_SWITCHES, TRANSPARENT, JOB_DIR, CONFIG,
-    HEALTH_CHECK, HEALTH_CHECK_TIMEOUT, CRASH_LOOP_ROUNDS,
+    HEALTH_CHECK, HEALTH_CHECK_TIMEOUT, CRASH_LOOP_ROUNDS, PERSIST_EVERY, NODE_MTBF,
 )  # fmt: skip
 _MASTER = (
     HOST, PORT, NNODES, NODE_UNIT, TOPOLOGY, DRAIN, JOB_DIR, MAX_RESTARTS, HEARTBEAT_TIMEOUT,
     LINK_TIMEOUT, LAST_CALL, SCALE_UP_WAIT, NETCHECK_TIMEOUT, REPLACEMENT_SBATCH,
     MIN_NODES_TIMEOUT, MASTER_HANG_TIMEOUT, METRICS_PORT, REQUEUE, MAX_CONTINUATIONS,
-    STOP_LEAD, REQUEUE_BY, CRASH_LOOP_ROUNDS, CONFIG,
+    STOP_LEAD, REQUEUE_BY, CRASH_LOOP_ROUNDS, PERSIST_EVERY, NODE_MTBF, CONFIG,
 )  # fmt: skip
 _LAUNCH = (
     BLOCKLIST, KNOWN_HOSTS, SSH_CONFIG, SSH_PORT, CONNECT_TIMEOUT, REMOTE_PYTHON, MASTER_OPTS,

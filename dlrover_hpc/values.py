@@ -160,3 +160,46 @@ def parse_hang_timeout(text: str, flag: str = "--hang-timeout") -> float:
 
 def describe_hang_timeout(value: float) -> str:
     return "auto" if value == HANG_AUTO else ("off" if value == 0 else f"{value:g} s")
+
+
+#: ``--persist-every auto``: the interval between persists is chosen for the job (Young/Daly,
+#: :mod:`dlrover_hpc.master.persist_interval`); a number is fixed seconds; 0 (``off``) is none.
+PERSIST_AUTO = -1.0
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_persist_every(text: str, flag: str = "--persist-every") -> float:
+    """``auto`` (:data:`PERSIST_AUTO`), ``off`` or 0 (none) or a positive duration (seconds,
+    or with a unit: 90s, 10m, 1h)."""
+    word = str(text).strip().lower()
+    if word == "auto":
+        return PERSIST_AUTO
+    if word in ("", "off", "0"):
+        return 0.0
+    try:
+        return parse_duration(word, flag, allow_zero=False)
+    except ConfigError:
+        raise ConfigError(
+            f"{flag}={text}: must be auto, off or a duration, e.g. {flag}=auto or {flag}=10m"
+        ) from None
+
+
+def parse_duration(text: str, flag: str, *, allow_zero: bool = False) -> float:
+    """Seconds from ``N``, ``Ns``, ``Nm``, ``Nh`` or ``Nd`` (N a number); positive, unless
+    ``allow_zero``."""
+    word = str(text).strip().lower()
+    unit = word[-1:] if word[-1:] in _UNITS and not word[-1:].isdigit() else ""
+    try:
+        value = float(word[: len(word) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and (value > 0 or (allow_zero and value == 0))):
+        raise ConfigError(
+            f"{flag}={text}: must be a positive duration: seconds, or a number with a unit "
+            f"s, m, h or d, e.g. {flag}=7d"
+        )
+    return value
+
+
+def describe_persist_every(value: float) -> str:
+    return "auto" if value == PERSIST_AUTO else ("off" if value == 0 else f"{value:g} s")

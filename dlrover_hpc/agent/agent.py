@@ -604,6 +604,11 @@ class Agent:
             elif isinstance(msg, m.StopAt):
                 log.warning("stop at step=%d: %s", msg.step, msg.reason)
                 self.watchdog.request_stop(StopNotice(msg.step, msg.deadline))
+            elif isinstance(msg, m.PersistStep) and self.saver is not None:
+                log.info("persist at step=%d: %s", msg.step, msg.reason)
+                arm = asyncio.create_task(self._persist_step(msg.step))
+                self._tasks.add(arm)
+                arm.add_done_callback(self._tasks.discard)
             elif isinstance(msg, m.EndWorkers):
                 if local := self.workers.end(msg.ranks):
                     log.warning("ending workers local_ranks=%s: %s", local, msg.reason)
@@ -612,6 +617,14 @@ class Agent:
                 task = asyncio.create_task(answer)
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+
+    async def _persist_step(self, step: int) -> None:
+        """--persist-every: this node's ranks persist their first save at or after ``step``."""
+        assert self.saver is not None
+        try:
+            await asyncio.to_thread(self.saver.persist_step, step)
+        except Exception:  # a task's boundary: the job trains on, the master asks again
+            log.exception("persist at step=%d failed", step)
 
     async def _watch_master(self) -> None:
         """Take over as master when the master's node died (:mod:`promotion`)."""

@@ -25,6 +25,7 @@ from dlrover_hpc import jobdir
 from dlrover_hpc.config import MasterConfig, RequeueBy
 from dlrover_hpc.events import EventName
 from dlrover_hpc.master import failover, metrics, stopping
+from dlrover_hpc.master.auto_persist import AutoPersist
 from dlrover_hpc.master.cluster import Cluster, Site
 from dlrover_hpc.master.continuation import StopKind
 from dlrover_hpc.master.datasets import Datasets
@@ -159,6 +160,8 @@ class Master:
             lead_s=config.stop_lead_s,
             rank_step=self.observer.round_step,
         )
+        #: --persist-every: every node persists the same step held in memory, this often
+        self.auto_persist = AutoPersist(self.job, self.agents.steps, self.push, config)
 
     def push(self, agent_id: str, message: m.Message) -> None:
         self.sender(agent_id, message)
@@ -293,4 +296,6 @@ class Master:
 
     def _event(self, msg: m.Event) -> m.Ack:
         self.events.emit(msg.event, **msg.fields)
+        if msg.event == EventName.CHECKPOINT_PERSISTED:
+            self.auto_persist.persisted(msg.fields)
         return m.Ack()

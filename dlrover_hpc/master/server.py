@@ -264,6 +264,10 @@ class MasterServer:
             except Exception:  # a bug in a detector must not end the liveness checks
                 log.exception("hang and straggler check failed")
             self.master.stopper.check()
+            try:
+                self.master.auto_persist.check()
+            except Exception:  # a bug here must not end the liveness checks either
+                log.exception("--persist-every check failed")
             self.master.job.poke()
 
     async def _link_ticks(self, every_s: float) -> None:

@@ -93,6 +93,14 @@ class StepLog:
         (s0, t0), (s1, t1) = self._first, self._latest
         return (s1 - s0) / (t1 - t0) if t1 - t0 >= RATE_SPAN_S and s1 >= s0 else 0.0
 
+    def projected(self, now: float, rate: float) -> int:
+        """The furthest rank's step at wall time ``now``: its newest report's, plus the steps
+        ``rate`` (steps a second) makes since (-1: none reported)."""
+        return max(
+            (step + int(rate * max(0.0, now - at)) for step, at in self._ranks.values()),
+            default=-1,
+        )
+
     @property
     def newest(self) -> int:
         """The furthest rank's newest step in the running round (-1: none reported)."""

@@ -361,6 +361,17 @@ class StopAt(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PersistStep(Message):
+    """Push (``--persist-every``): every rank persists its first checkpoint save at or after
+    ``step`` (one held in memory too) from its node's shared memory; all nodes the same step,
+    so that it commits."""
+
+    TYPE: ClassVar[str] = "persist_step"
+    step: int
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class StopRequest(Message):
     """``dlrover-hpc stop``, or the job script on Slurm's signal: end the job at a step
     boundary, save, and continue it in a new run (``kind``: time_limit or preempted)."""

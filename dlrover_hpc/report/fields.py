@@ -45,6 +45,10 @@ _FIELDS: Mapping[str, tuple[Mapping[str, Kind], Mapping[str, Kind]]] = {
     EventName.NETCHECK_RESULT: ({}, {"seconds": Kind.NUMBER}),
     EventName.NODE_UNHEALTHY: ({"check": Kind.TEXT}, {}),
     EventName.CRASH_LOOP: ({"rounds": Kind.INT}, {"rank": Kind.INT}),
+    EventName.PERSIST_INTERVAL: (
+        {"interval_s": Kind.NUMBER, "mode": Kind.TEXT},
+        {"persist_s": Kind.NUMBER, "mtbf_s": Kind.NUMBER, "mtbf_source": Kind.TEXT},
+    ),
     EventName.PERSIST_STALLED: ({"seconds": Kind.NUMBER}, {"since": Kind.TIME}),
 }
 #: Any event may name its node; a hang names its suspect.

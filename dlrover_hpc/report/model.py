@@ -147,6 +147,8 @@ class Report:
     nodes: list[NodeSummary]  # by rank in their first round, then by name
     #: the job stopped as a crash loop (crash_loop): the rounds and the failure that repeated
     repeated_failure: str = ""
+    #: --persist-every: the newest interval chosen, in words ("" when it was off)
+    persist_interval: str = ""
     storage_stalls: list[StorageStall] = dataclasses.field(default_factory=list)
     spans: list[Span] = dataclasses.field(default_factory=list)
     markers: list[Marker] = dataclasses.field(default_factory=list)

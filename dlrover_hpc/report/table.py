@@ -76,6 +76,8 @@ def checkpoint_table(r: Report) -> Table:
     sources = ", ".join(f"{n} from {src}" for src, n in sorted(r.restores.items()))
     newest = "-" if r.last_checkpoint_step is None else str(r.last_checkpoint_step)
     t.caption = f"newest committed step: {newest}" + (f"; restores: {sources}" if sources else "")
+    if r.persist_interval:
+        t.caption += f"; persist interval: {r.persist_interval}"
     if r.storage_stalls:
         longest = max(r.storage_stalls, key=lambda s: s.seconds)
         t.caption += (

@@ -22,6 +22,7 @@ from typing import Any
 
 from dlrover_hpc.checkpoint.api import CommitCoordinator, EventSink, FaultHook
 from dlrover_hpc.checkpoint.env import DEFAULT_SHM_DIR, current_user, segment_prefix, spill_dir
+from dlrover_hpc.checkpoint.saver.persist_at import PersistAt
 from dlrover_hpc.checkpoint.saver.persist_queue import Durability, SaverCore
 from dlrover_hpc.checkpoint.saver.recovery import persist_latest
 from dlrover_hpc.checkpoint.saver.replica_sender import ReplicaSender
@@ -75,6 +76,8 @@ class SaverHost:
         self.core = SaverCore(
             commit=commit, events=events, node_name=node_name, io_threads=io_threads, fault=fault
         )
+        #: the master's --persist-every: each rank's first save at or after a step is persisted
+        self.persist_at = PersistAt(self.core, lambda: list_segments(self.shm_dir, self.prefix))
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._conns: set[socket.socket] = set()
@@ -130,6 +133,11 @@ class SaverHost:
         step = persist_latest(self.core, paths, timeout_s)
         logger.info("checkpoint persist_latest step=%s segments=%d", step, len(paths))
         return step
+
+    def persist_step(self, step: int) -> list[int]:
+        """The master asks every node to persist the first save at or after ``step`` (its
+        ``--persist-every``); returns the ranks whose save of it was submitted at once."""
+        return self.persist_at.arm(step)
 
     def set_replica_peers(self, node_rank: int, nnodes: int, peers: Mapping[int, str]) -> None:
         """A new round: this node's rank, the round's node count, and the replica servers of
@@ -306,6 +314,10 @@ class SaverHost:
             )
             return {"committed": done}
         if isinstance(message, Report):
+            try:  # before the answer: the worker's buffer holds the step until then
+                self.persist_at.saved(int(message.rank), int(message.step))
+            except (CheckpointError, OSError, ValueError) as exc:
+                logger.warning("checkpoint persist_at_failed step=%s error=%s", message.step, exc)
             if self.saved is None:
                 raise CheckpointError("this saver writes no checkpoint_saved: write your own")
             self.saved.report(

@@ -510,6 +510,23 @@ class SaverCore:
                 return None
             time.sleep(0.02)
 
+    def peek_now(self, path: str) -> Header | None:
+        """The segment's complete step now, without waiting: None while a writer holds it
+        (or there is none); for :mod:`.persist_at`, which must not hold a save up."""
+        with self._cond:
+            try:
+                seg = self._segment(path)
+            except FileNotFoundError:
+                return None
+            if path in self._pinned:
+                return seg.header()
+            if not seg.try_lock(exclusive=False):
+                return None
+            try:
+                return seg.header()
+            finally:
+                seg.unlock()
+
     def is_durable(self, *, rank: int, step: int, token: int) -> bool:
         """Whether this saver made `rank`'s part of save `token` of `step` durable."""
         with self._cond:

@@ -1,0 +1,208 @@
+"""``--persist-every``: the master has every node persist the same step held in memory.
+
+A script that saves to memory often and to storage seldom (or never) loses, when a whole job
+fails, everything since its newest step on storage.  With ``--persist-every`` the master, once
+storage's newest step is older than the interval, tells every agent of the round to persist
+its ranks' first save at or after one step (:class:`dlrover_hpc.protocol.messages.PersistStep`;
+:mod:`dlrover_hpc.checkpoint.saver.persist_at` on the node): the same step everywhere, so it
+commits like a DISK save.  When the script's own DISK saves commit more often than the interval,
+nothing is asked.
+
+``auto`` chooses the interval (:func:`persist_interval.daly_interval`) from the persist time
+measured in this job (the slowest node's ``persist_s`` of a step, the median of the newest few
+steps) and its MTBF (:func:`persist_interval.job_mtbf`: the failures that cost a restart, per
+node-second trained, else ``--node-mtbf``).  Until a persist was measured, the first is asked
+as soon as every rank holds a step in memory.  ``persist_interval`` says the interval when it
+is chosen and when it moves by more than a tenth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dlrover_hpc.config import MasterConfig
+from dlrover_hpc.events import EventName
+from dlrover_hpc.master import persist_interval as pi
+from dlrover_hpc.master.continuation import stop_step
+from dlrover_hpc.master.job import Job
+from dlrover_hpc.master.nodes import NodeState
+from dlrover_hpc.master.phases import Phase
+from dlrover_hpc.master.steps import StepLog
+from dlrover_hpc.protocol import messages as m
+from dlrover_hpc.values import PERSIST_AUTO
+
+log = logging.getLogger(__name__)
+
+#: The persist time is the median of the slowest node's over this many newest steps.
+PERSIST_SAMPLES = 5
+#: A request whose step has not committed after this long (plus its lead and persists) is
+#: given up, and the next one asks a later step.
+REQUEST_TIMEOUT_S = 3.0
+#: The step asked is this far ahead of where the ranks are now (their newest reports, projected
+#: at the step rate), so the request reaches every node first; it is asked this long before the
+#: interval ends, so that it commits when the interval has passed.  A projection that falls
+#: short (a rate measured over a round's slow first steps) only brings the commit forward, up
+#: to this much; past it, the ranks have saved beyond the step and it is asked again.
+ASK_AHEAD_S = 2.5
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Interval:
+    """The interval in use and what it was chosen from (``persist_interval``'s fields)."""
+
+    interval_s: float
+    mode: str  # auto or fixed
+    persist_s: float = -1.0  # auto: the measured persist time (-1: none measured yet)
+    mtbf_s: float = 0.0
+    mtbf_source: str = ""
+
+    def fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"interval_s": round(self.interval_s, 3), "mode": self.mode}
+        if self.mode == "auto":
+            out |= {
+                "persist_s": round(self.persist_s, 6),
+                "mtbf_s": round(self.mtbf_s, 3),
+                "mtbf_source": self.mtbf_source,
+            }
+        return out
+
+
+class AutoPersist:
+    """Watches storage's newest step on the master's timer (:meth:`check`) and asks persists."""
+
+    def __init__(
+        self,
+        job: Job,
+        steps: StepLog,
+        push: Callable[[str, m.Message], None],
+        config: MasterConfig,
+    ) -> None:
+        self.job, self.steps, self._push = job, steps, push
+        self.every_s = config.persist_every_s
+        self.node_mtbf_s = config.node_mtbf_s
+        self.interval: Interval | None = None
+        self._persists: dict[int, float] = {}  # step -> its slowest node's persist_s
+        self._restarts0 = job.restart_count  # restarts before this master: not its to count
+        self._node_s = 0.0  # node-seconds trained under this master
+        self._ticked_at: float | None = None
+        self._committed = job.last_committed
+        self._durable_at: float | None = None  # when storage's newest step was committed
+        self._asked: tuple[int, float, int] | None = None  # (step, when, round) in flight
+        self.asked = 0  # requests sent (tests, status)
+
+    @property
+    def on(self) -> bool:
+        return self.every_s != 0
+
+    # ------------------------------------------------------------ inputs
+    def persisted(self, fields: dict[str, Any]) -> None:
+        """A node's ``checkpoint_persisted`` event: its persist time of the step."""
+        step, seconds = fields.get("step"), fields.get("persist_s")
+        if type(step) is not int or type(seconds) not in (int, float):
+            return
+        assert isinstance(seconds, int | float)
+        if seconds < 0:
+            return
+        self._persists[step] = max(self._persists.get(step, 0.0), float(seconds))
+        for old in sorted(self._persists)[:-PERSIST_SAMPLES]:
+            del self._persists[old]
+
+    def persist_s(self) -> float | None:
+        """The median of the slowest node's persist time over the newest steps (None: none)."""
+        return statistics.median(self._persists.values()) if self._persists else None
+
+    # ------------------------------------------------------------ the timer
+    def check(self) -> None:
+        """On the master's timer: count the training time, note commits, ask a persist when
+        storage's newest step is older than the interval."""
+        if not self.on or self.job.ended:
+            return
+        now = self.job.clock()
+        running = self.job.phase is Phase.RUNNING
+        if running and self._ticked_at is not None:
+            self._node_s += (now - self._ticked_at) * len(self.job.participants())
+        self._ticked_at = now
+        if self.job.last_committed > self._committed:
+            self._committed, self._durable_at = self.job.last_committed, now
+        elif self._durable_at is None and running:
+            self._durable_at = now  # training began: storage's newest step is from before
+        if self._asked is not None and self._committed >= self._asked[0]:
+            self._asked = None
+        self._choose()
+        if not running or self._durable_at is None:
+            return
+        if self._asked is not None:
+            step, when, round_ = self._asked
+            if round_ == self.job.round and now - when < self._timeout_s():
+                return
+            log.info("persist at step=%d gave up: not committed; asking a later step", step)
+            self._asked = None
+        if self.interval is None:  # auto, no persist measured yet: measure one now
+            self._ask(now, "first persist: measuring its time")
+        elif now - self._durable_at >= self.interval.interval_s - ASK_AHEAD_S:
+            # the ranks reach the asked step about this long after the ask: it commits
+            # about when storage's newest step is the interval old
+            self._ask(now, f"storage's newest step is {now - self._durable_at:.1f} s old")
+
+    def _timeout_s(self) -> float:
+        measured = self.persist_s() or 0.0
+        return REQUEST_TIMEOUT_S + ASK_AHEAD_S + 4 * measured
+
+    def _choose(self) -> None:
+        """The interval from what is known now; said when chosen or moved by over a tenth."""
+        if self.every_s != PERSIST_AUTO:
+            chosen = Interval(interval_s=self.every_s, mode="fixed")
+        else:
+            persist_s = self.persist_s()
+            if persist_s is None:
+                return
+            failures = max(0, self.job.restart_count - self._restarts0)
+            nodes = len(self.job.participants()) or self.job.config.nnodes.max
+            mtbf = pi.job_mtbf(
+                failures=failures,
+                node_seconds=self._node_s,
+                nodes=nodes,
+                site_node_mtbf_s=self.node_mtbf_s,
+            )
+            chosen = Interval(
+                interval_s=pi.daly_interval(persist_s, mtbf.seconds),
+                mode="auto",
+                persist_s=persist_s,
+                mtbf_s=mtbf.seconds,
+                mtbf_source=str(mtbf.source),
+            )
+        old = self.interval
+        if (
+            old is not None
+            and old.mtbf_source == chosen.mtbf_source
+            and not pi.changed(old.interval_s, chosen.interval_s)
+        ):
+            return  # the one said stays, until it moves enough
+        self.interval = chosen
+        log.info("persist interval %s", " ".join(f"{k}={v}" for k, v in chosen.fields().items()))
+        self.job.emit(EventName.PERSIST_INTERVAL, **chosen.fields())
+
+    def _ask(self, now: float, why: str) -> None:
+        saved = self.job.saved_steps() if self.job.saved_steps is not None else None
+        if saved is None or saved[0] < 0:
+            return  # not every rank holds a step in memory yet: nothing to persist
+        rate = self.steps.step_rate()
+        if rate <= 0:
+            return  # unknown yet: a step asked too close would be behind the ranks already
+        # A rank already past the step by two saves is left out (the step asked again later).
+        newest = max(self.steps.projected(time.time(), rate), saved[1], saved[0])
+        step = stop_step(newest, rate, ASK_AHEAD_S)
+        notice = m.PersistStep(step=step, reason=why)
+        targets = [r for r in self.job.participants() if r.state is NodeState.ACTIVE]
+        if not targets:
+            return
+        for rec in targets:
+            self._push(rec.agent_id, notice)
+        self._asked = (step, now, self.job.round)
+        self.asked += 1
+        log.info("persist at step=%d nodes=%d: %s", step, len(targets), why)

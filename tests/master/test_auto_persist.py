@@ -1,0 +1,153 @@
+"""``--persist-every`` on the master, driven through the real Job, its handlers and its step
+log (only the clock is ours): when it asks every node for a step, and the interval it says."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from dlrover_hpc.master.auto_persist import ASK_AHEAD_S, AutoPersist
+from dlrover_hpc.master.hangs import HangWatch
+from dlrover_hpc.master.persist_interval import daly_interval
+from dlrover_hpc.protocol import messages as m
+from dlrover_hpc.values import PERSIST_AUTO
+
+from .test_job import Harness, run
+
+RATE = 10.0  # steps a second
+
+
+def _beat(h: Harness, hangs: HangWatch, agents: list[str], step: int) -> None:
+    """Every rank at ``step`` (saved to memory too), as a heartbeat of ``RATE`` steps a second
+    whose newest step is now."""
+    now = time.time()
+    for agent in agents:
+        rec = h.job.nodes[agent]
+        assert rec.assignment is not None
+        progress = [
+            m.RankProgress(
+                rank=rec.assignment.rank_offset + lr,
+                step=step,
+                stalled_s=0.0,
+                at=now,
+                saved_step=step,
+            )
+            for lr in range(rec.nproc)
+        ]
+        hangs.heartbeat(rec.node, progress)
+        h.agents.heartbeat(m.Heartbeat(agent_id=agent, round=h.job.round, progress=progress))
+
+
+def _train(h: Harness, hangs: HangWatch, agents: list[str], steps: range) -> None:
+    """Steps reported a heartbeat apart (the step log's rate needs a few seconds of them)."""
+    for step in steps:
+        _beat(h, hangs, agents, step)
+        time.sleep(1 / RATE)
+
+
+def _pushed(h: Harness) -> Callable[[str, m.Message], None]:
+    return lambda agent, msg: h.pushed.append((agent, msg))
+
+
+def _asked(h: Harness) -> list[tuple[str, int]]:
+    return [(a, msg.step) for a, msg in h.pushed if isinstance(msg, m.PersistStep)]
+
+
+def _commit(h: Harness, step: int) -> None:
+    h.agents.checkpoint_part(
+        m.CheckpointPart(step=step, ranks=[0, 1, 2, 3], world_size=4, path=f"ckpt/{step}")
+    )
+
+
+def test_a_fixed_interval_asks_every_node_for_one_step_ahead(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2", persist_every_s=10.0)
+        agents = h.start("n1", "n2")
+        hangs = HangWatch(h.job, lambda a, msg: None, tmp_path)
+        watch = AutoPersist(h.job, h.agents.steps, _pushed(h), h.job.config)
+        _train(h, hangs, agents, range(1, 30))
+        watch.check()  # storage's newest step is as old as the training: 0 s
+        [said] = h.events("persist_interval")
+        assert said["interval_s"] == 10.0 and said["mode"] == "fixed"
+        assert "persist_s" not in said
+        h.clock.now += 10.0 - ASK_AHEAD_S - 0.1
+        watch.check()
+        assert _asked(h) == []  # not yet
+        h.clock.now += 0.2
+        watch.check()
+        asked = _asked(h)
+        assert sorted(a for a, _ in asked) == sorted(agents)  # every node ...
+        [step] = {s for _, s in asked}  # ... the same step
+        rate = h.agents.steps.step_rate()
+        assert rate > 0
+        # ahead of the ranks by the lead at the step rate: they reported 29 a moment ago
+        # (projected to now: 29, or a step or two more on a slow machine)
+        lead = max(2, math.ceil(rate * ASK_AHEAD_S))
+        assert 29 + lead <= step <= 29 + lead + 3, (step, rate)
+        h.clock.now += 1.0
+        watch.check()
+        assert len(_asked(h)) == 2  # one request in flight
+        _commit(h, step)
+        watch.check()  # committed: the interval starts again
+        h.clock.now += 10.0 - ASK_AHEAD_S - 0.1
+        watch.check()
+        assert len(_asked(h)) == 2
+        h.clock.now += 0.2
+        watch.check()
+        assert len(_asked(h)) == 4
+        assert len(h.events("persist_interval")) == 1  # said once
+
+    run(body)
+
+
+def test_a_script_whose_disk_saves_are_fresh_enough_is_never_asked(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2", persist_every_s=10.0)
+        agents = h.start("n1", "n2")
+        hangs = HangWatch(h.job, lambda a, msg: None, tmp_path)
+        watch = AutoPersist(h.job, h.agents.steps, _pushed(h), h.job.config)
+        _train(h, hangs, agents, range(1, 30))
+        for step in range(10, 100, 10):  # the script's own DISK saves, every 5 s
+            watch.check()
+            h.clock.now += 5.0
+            _commit(h, step)
+        watch.check()
+        assert _asked(h) == []
+
+    run(body)
+
+
+def test_auto_measures_a_persist_then_chooses_young_daly_and_follows_failures(
+    tmp_path: Path,
+) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2", persist_every_s=PERSIST_AUTO, node_mtbf_s=400.0)
+        agents = h.start("n1", "n2")
+        hangs = HangWatch(h.job, lambda a, msg: None, tmp_path)
+        watch = AutoPersist(h.job, h.agents.steps, _pushed(h), h.job.config)
+        _train(h, hangs, agents, range(1, 30))
+        watch.check()
+        [(_, first), _] = _asked(h)  # no persist measured yet: one at once, to measure it
+        assert not h.events("persist_interval")
+        for node, seconds in (("n1", 1.5), ("n2", 2.0)):  # the slowest node's is the step's
+            watch.persisted({"step": first, "persist_s": seconds, "node": node})
+        _commit(h, first)
+        watch.check()
+        [said] = h.events("persist_interval")
+        # the site's 400 s per node over 2 nodes: 200 s; sqrt(2 x 2 x 200) - 2 = 26.3 s
+        assert said["mode"] == "auto" and said["mtbf_source"] == "site", said
+        assert said["persist_s"] == 2.0 and said["mtbf_s"] == 200.0, said
+        assert said["interval_s"] == round(daly_interval(2.0, 200.0), 3) == 26.284, said
+        h.clock.now += 10.0  # 10 s of 2 nodes trained: 20 node-seconds
+        watch.check()
+        h.job.restart_count += 1  # a failure that cost a restart
+        h.clock.now += 10.0  # 40 node-seconds, one failure: the job's MTBF is 20 s
+        watch.check()
+        observed = h.events("persist_interval")[-1]
+        assert observed["mtbf_source"] == "observed", observed
+        assert observed["mtbf_s"] == 20.0, observed
+        assert observed["interval_s"] == round(daly_interval(2.0, 20.0), 3) == 6.944, observed
+
+    run(body)
