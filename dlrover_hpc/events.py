@@ -63,6 +63,9 @@ class EventName(StrEnum):
     CHECKPOINT_PERSISTED = "checkpoint_persisted"  # a step committed on storage
     CHECKPOINT_PERSIST_FAILED = "checkpoint_persist_failed"  # storage refused (step, error)
     CHECKPOINT_STORAGE_LOW = "checkpoint_storage_low"  # room for < 2 more checkpoints
+    #: the node-local tier (--local-ckpt-dir) refused a step (step, path, error): it went
+    #: straight to the shared checkpoint directory
+    CHECKPOINT_LOCAL_TIER_FAILED = "checkpoint_local_tier_failed"
     CHECKPOINT_RESTORED = "checkpoint_restored"  # a rank restored (step, source)
     RESTORE_REJECTED = "restore_rejected"  # a restored step failed its check (step, source, why)
     CHECKPOINT_REPLICATED = "checkpoint_replicated"  # a node's part copied to peers' memory

@@ -21,7 +21,7 @@ from dlrover_hpc.agent.master_link import MasterLink
 from dlrover_hpc.agent.node_lock import hold_node_lock
 from dlrover_hpc.agent.probe import run_probe
 from dlrover_hpc.agent.reports import report_failure
-from dlrover_hpc.agent.saver_link import start_replica_server, start_saver
+from dlrover_hpc.agent.saver_link import local_tier_env, start_replica_server, start_saver
 from dlrover_hpc.agent.workers import WorkerFailure, WorkerGroup
 from dlrover_hpc.agent.zygote import Zygote
 from dlrover_hpc.checkpoint.saver.host import SaverHost
@@ -239,6 +239,7 @@ class Agent:
             token=self._token,
             replicas=replicas,
             events_path=str(jobdir.events_path(self.job_dir)),
+            local_dir=self.config.local_ckpt_dir,
         )
         try:
             return await self._rounds()
@@ -247,7 +248,9 @@ class Agent:
             # Finish in-flight persists (they need the master), then remove the segments,
             # unless Slurm requeued the job: its next run restores from them on this node.
             keep = self._stop.is_set() and await asyncio.to_thread(
-                requeue_memory.keep_for_requeue, os.environ, segments=bool(self.saver.segments())
+                requeue_memory.keep_for_requeue,
+                os.environ,
+                segments=bool(self.saver.segments()) or self.saver.has_local_tier(),
             )
             await asyncio.to_thread(self.saver.close, not keep)
             await asyncio.to_thread(replicas.close)
@@ -351,6 +354,7 @@ class Agent:
                 forward_timing=os.environ.get(environ.FORWARD_TIMING) == "1",
                 saver_socket=self.saver.socket_path if self.saver else None,
             ).to_environ(),
+            **local_tier_env(self.config.local_ckpt_dir),
             **self._extra_env,
         }
         self.diagnoser.workers_starting()
