@@ -53,8 +53,10 @@ def _env(job: str, *, rank: int = 0, world: int = 1) -> WorkerEnv:
 def test_local_path_mirrors_the_shared_layout(
     tmp_path: Path, shared_path: str, twin: str | None
 ) -> None:
-    tier = LocalTier(str(tmp_path), shared_root="/shared/ckpt", job="42")
-    expected = None if twin is None else f"{tier_root(str(tmp_path), '42', '/shared/ckpt')}/{twin}"
+    tier = LocalTier(str(tmp_path), shared_root="/shared/ckpt", job="42", node="n1")
+    expected = (
+        None if twin is None else f"{tier_root(str(tmp_path), '42', 'n1', '/shared/ckpt')}/{twin}"
+    )
     assert tier.local_path(shared_path) == expected
 
 
@@ -77,7 +79,7 @@ def test_a_local_record_serves_the_ranks_that_find_all_they_read(
 
 
 def test_records_merge_ranks_of_one_save_and_retention_keeps_the_newest(tmp_path: Path) -> None:
-    tier = LocalTier(str(tmp_path), shared_root="/shared/ckpt", job="42")
+    tier = LocalTier(str(tmp_path), shared_root="/shared/ckpt", job="42", node="n1")
     common = {"kind": "rank", "parts": 2}
     for step in (2, 4, 6):
         data = Path(tier.local_path(f"/shared/ckpt/checkpoint-{step}") or "")
@@ -97,9 +99,9 @@ def test_records_merge_ranks_of_one_save_and_retention_keeps_the_newest(tmp_path
     assert tier.steps() == [6, 4]
     assert not Path(tier.root, "checkpoint-2").exists()
     assert Path(tier.root, "checkpoint-4", "rank_00000.pt").exists()
-    assert job_tier_exists(str(tmp_path), "42")
-    assert remove_job_tier(str(tmp_path), "42")
-    assert not job_tier_exists(str(tmp_path), "42") and tmp_path.is_dir()
+    assert job_tier_exists(str(tmp_path), "42", "n1")
+    assert remove_job_tier(str(tmp_path), "42", "n1")
+    assert not job_tier_exists(str(tmp_path), "42", "n1") and tmp_path.is_dir()
 
 
 def test_a_persisted_step_goes_to_the_local_tier_first_and_a_restore_reads_it_there(
@@ -114,7 +116,7 @@ def test_a_persisted_step_goes_to_the_local_tier_first_and_a_restore_reads_it_th
             assert ckpt.wait_latest_checkpoint(30)
     finally:
         ckpt.close(remove_segments=True)
-    root = Path(tier_root(str(local), job, str(shared)))
+    root = Path(tier_root(str(local), job, _env(job).node_name, str(shared)))
     # the same layout as the shared directory, keep_last=2 steps of it
     assert sorted(p.name for p in root.glob("*.pt")) == ["checkpoint-4.pt", "checkpoint-6.pt"]
     assert (root / "checkpoint-6.pt").read_bytes() == (shared / "checkpoint-6.pt").read_bytes()
@@ -142,7 +144,7 @@ def test_a_restore_reads_the_shared_copy_when_the_local_tier_lacks_the_step(
         assert ckpt.wait_latest_checkpoint(30)
     finally:
         ckpt.close(remove_segments=True)
-    root = Path(tier_root(str(local), job, str(shared)))
+    root = Path(tier_root(str(local), job, _env(job).node_name, str(shared)))
     (root / "checkpoint-3.pt").unlink()  # record kept, data gone: a torn local tier
     again = DdpCheckpointer(str(shared), env=_env(job), events=events)
     try:
@@ -150,7 +152,9 @@ def test_a_restore_reads_the_shared_copy_when_the_local_tier_lacks_the_step(
         assert again.last_restored == (3, "storage")
     finally:
         again.close(remove_segments=True)
-    remove_job_tier(str(local), job)  # a whole node's tier gone (a new node): shared again
+    remove_job_tier(
+        str(local), job, _env(job).node_name
+    )  # a whole node's tier gone (a new node): shared again
     third = DdpCheckpointer(str(shared), env=_env(job), events=events)
     try:
         check_filled(third.load_checkpoint(), 3)
@@ -208,7 +212,7 @@ def test_a_full_local_disk_falls_back_to_the_shared_directory_and_loses_no_step(
         assert [e["step"] for e in failed] == [2]  # once until the local disk works again
         assert "local_tier_failed step=3" in caplog.text  # every step is logged
         assert "straight to the shared checkpoint directory" in caplog.text
-        root = Path(tier_root(str(local), job, str(shared)))
+        root = Path(tier_root(str(local), job, _env(job).node_name, str(shared)))
         assert not [p for p in root.rglob("*") if "tmp" in p.name or "-2" in p.name]
         again = DdpCheckpointer(str(shared), env=_env(job))
         try:

@@ -213,12 +213,12 @@ class SaverHost:
             removed = unlink_segments(self.shm_dir, self.prefix)
             logger.info("checkpoint segments_removed count=%d prefix=%s", len(removed), self.prefix)
             if self.local_dir:  # the job's end: its local tier goes with its segments
-                remove_job_tier(self.local_dir, self.job_id)
+                remove_job_tier(self.local_dir, self.job_id, self.node_name)
 
     def has_local_tier(self) -> bool:
         """Whether this job has steps in the node-local tier (kept, like segments, for a
         requeued run on this node)."""
-        return job_tier_exists(self.local_dir, self.job_id)
+        return job_tier_exists(self.local_dir, self.job_id, self.node_name)
 
     # ------------------------------------------------------------------------ serving
     def _flush_loop(self) -> None:

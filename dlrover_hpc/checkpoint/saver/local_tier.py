@@ -6,7 +6,7 @@ shared directory from the same shared-memory buffer, where the commit protocol i
 (`tier_writer`).  The buffer stays pinned until the shared write is done, so a local disk that
 fails at any point costs no step.
 
-Layout: ``<local dir>/<user>-<job>/<shared dir, made a file name>/`` mirrors the shared
+Layout: ``<local dir>/<user>-<job>-<node>/<shared dir, made a file name>/`` mirrors the shared
 directory; ``.dlrover-hpc/local/step-<N>.json`` there records which ranks' parts of step N (of
 which save, its token) this node holds complete.  A restore reads a step from the local tier
 when the shared commit record of that step has the same token and the local record covers what
@@ -73,23 +73,24 @@ class LocalRecord:
         return self.kind == "rank" and rank in self.ranks
 
 
-def job_key(job_id: str | None) -> str:
-    """The tier's per-job directory name: user and job (a requeue keeps the job id)."""
-    return safe_component(f"{current_user()}-{job_id or 'local'}", limit=64)
+def job_key(job_id: str | None, node: str) -> str:
+    """The tier's directory name for one job on one node: user, job (a requeue keeps the job
+    id) and node (a local directory that is shared by mistake still keeps nodes apart)."""
+    return safe_component(f"{current_user()}-{job_id or 'local'}-{node}", limit=96)
 
 
-def tier_root(local_dir: str, job: str | None, shared_root: str) -> str:
+def tier_root(local_dir: str, job: str | None, node: str, shared_root: str) -> str:
     """Where the local tier of the shared checkpoint directory `shared_root` lives."""
     name = safe_component(shared_root.strip("/").replace("/", "_") or "root", limit=80)
-    return os.path.join(local_dir, job_key(job), name)
+    return os.path.join(local_dir, job_key(job, node), name)
 
 
 class LocalTier:
     """The local tier of one shared checkpoint directory on this node."""
 
-    def __init__(self, local_dir: str, *, shared_root: str, job: str | None) -> None:
+    def __init__(self, local_dir: str, *, shared_root: str, job: str | None, node: str) -> None:
         self.shared_root = shared_root.rstrip("/") or "/"
-        self.root = tier_root(local_dir, job, self.shared_root)
+        self.root = tier_root(local_dir, job, node, self.shared_root)
         self.storage = Storage(self.root, threads=2)
         self.records_dir = f"{self.root}/{META_DIR}/local"
 
@@ -173,9 +174,9 @@ class LocalTier:
         return rec
 
 
-def remove_job_tier(local_dir: str, job: str | None) -> bool:
+def remove_job_tier(local_dir: str, job: str | None, node: str) -> bool:
     """Removes this job's local tier on this node (the job ended for good)."""
-    path = os.path.join(local_dir, job_key(job))
+    path = os.path.join(local_dir, job_key(job, node))
     if not os.path.isdir(path):
         return False
     shutil.rmtree(path, ignore_errors=True)
@@ -183,5 +184,5 @@ def remove_job_tier(local_dir: str, job: str | None) -> bool:
     return True
 
 
-def job_tier_exists(local_dir: str, job: str | None) -> bool:
-    return bool(local_dir) and os.path.isdir(os.path.join(local_dir, job_key(job)))
+def job_tier_exists(local_dir: str, job: str | None, node: str) -> bool:
+    return bool(local_dir) and os.path.isdir(os.path.join(local_dir, job_key(job, node)))

@@ -312,7 +312,10 @@ class SaverCore:
         if self.tiers is None:
             return
         parts = [(r.header, r.info, r.segment.mm) for r in batch if not self._is_durable(r.info)]
-        self.tiers.write(storage, parts)
+        try:
+            self.tiers.write(storage, parts)
+        except Exception:  # the local tier is an extra: it never costs the shared persist
+            logger.exception("checkpoint local_tier_error step=%d", batch[0].info.step)
 
     def _is_durable(self, info: PartInfo) -> bool:
         with self._cond:

@@ -56,7 +56,9 @@ class TierWriter:
         with self._lock:
             tier = self._tiers.get(root)
             if tier is None:
-                tier = self._tiers[root] = LocalTier(self.local_dir, shared_root=root, job=self.job)
+                tier = self._tiers[root] = LocalTier(
+                    self.local_dir, shared_root=root, job=self.job, node=self._node
+                )
             return tier
 
     def write(self, shared: Storage, parts: Sequence[Part]) -> LocalTier | None:

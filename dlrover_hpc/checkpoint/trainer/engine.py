@@ -97,7 +97,12 @@ class Engine:
         local_dir = local_ckpt_dir()
         #: the node-local tier (--local-ckpt-dir) a restore reads a step from first
         self.local_tier = (
-            LocalTier(local_dir, shared_root=self.cdir.root, job=self.env.job_id)
+            LocalTier(
+                local_dir,
+                shared_root=self.cdir.root,
+                job=self.env.job_id,
+                node=self.env.node_name,
+            )
             if local_dir and self.storage.local
             else None
         )
