@@ -1,14 +1,14 @@
 """The node-local checkpoint tier (--local-ckpt-dir) on the real local Slurm: a requeued job
 restores on the same nodes from local disk, not from the shared directory.
 
-A 2-node job saves each rank's own part (``--sharded``) and persists every few steps; it is
-requeued (``scontrol requeue``).  Before the requeued run starts, the test wipes the job's
-shared-memory segments (as a cluster's per-job /dev/shm is wiped at a job's end), makes rank
-0's shared copy of the newest committed step unreadable, and removes rank 1's node's local tier.
-The requeued run must restore that step on both nodes: rank 0 from its node's local tier (the
-shared copy it never read is garbage), rank 1 from the shared directory.  When the job ends for
-good, the local tier is gone.  (The local Slurm's nodes share one disk; the tier keeps each
-node's under its own name.)
+A 2-node job saves each rank's own part (``--sharded``) and persists every few steps; at its
+time limit the master saves, commits and requeues it (as in test_continuation.py).  Before the
+requeued run starts, the test wipes the job's shared-memory segments (as a cluster's per-job
+/dev/shm is wiped at a job's end), makes rank 0's shared copy of the newest committed step
+unreadable, and removes rank 1's node's local tier.  The requeued run must restore that step on
+both nodes: rank 0 from its node's local tier (the shared copy it never read is garbage), rank
+1 from the shared directory.  When the job ends for good, the local tier is gone.  (The local
+Slurm's nodes share one disk; the tier keeps each node's under its own name.)
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import pytest
 from runtime_helpers import events, job_fields, named, sbatch, wait_job
 
 from dlrover_hpc.checkpoint.saver.local_tier import LocalRecord, job_key
-from dlrover_hpc.checkpoint.testing import remove_job_segments
 from dlrover_hpc.localslurm import LocalSlurm, wait_for
 
 pytestmark = pytest.mark.slurm
 FLASH = Path(__file__).resolve().parents[2] / "examples" / "train_flash_ckpt.py"
-STEPS = 160
+#: more than the first run trains before its time limit's signal (60 s before 2 minutes)
+STEPS = 400
 
 
 def _committed(job_dir: Path) -> list[int]:
@@ -67,17 +67,17 @@ def test_a_requeued_job_restores_from_the_local_tier_and_the_shared_one_where_it
         "--save-every=1",
         "--persist-every=5",
         "--keep-last=3",
-        "--step-time=0.15",
+        "--step-time=0.2",
         f"--result={shared_tmp / 'result.json'}",
-        extra=("-w", "node[1-2]"),
+        master_opts="--stop-lead=10",
+        extra=("-w", "node[1-2]", "--time=2", "--signal=B:USR1@60", "--open-mode=append"),
     )
     job_dir = shared_tmp / ".dlrover-hpc" / job
     wait_for(
-        lambda: any(s >= 10 for s in _committed(job_dir)),
+        lambda: named(events(job_dir), "job_continued"),
         timeout_s=240,
-        what="a committed step >= 10",
+        what=f"job {job} to save at its time limit and requeue",
     )
-    subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
     wait_for(
         lambda: (f := job_fields(job)).get("JobState") == "PENDING" and f.get("Restarts") == "1",
         timeout_s=120,
@@ -87,7 +87,11 @@ def test_a_requeued_job_restores_from_the_local_tier_and_the_shared_one_where_it
     requeued_at = max(e["time"] for e in events(job_dir))
     # The first run is over: its newest committed step is the one the next run restores.
     step = int((ckpt / "dlrover_latest.txt").read_text())
-    remove_job_segments(job)  # no memory tier: a cluster wipes the job's /dev/shm
+    for node in ("node1", "node2"):  # no memory tier: a cluster wipes the job's /dev/shm
+        wipe = f"find /dev/shm -maxdepth 1 -name '*{job}*' -print -delete"
+        argv = [*local_slurm.node_exec_argv(node), "sh", "-c", wipe]
+        gone = subprocess.run(argv, check=True, timeout=30, capture_output=True, text=True)
+        assert gone.stdout.strip(), f"no segment of job {job} on {node} to wipe"
     tiers = _node_tiers(local, job)
     assert sorted(tiers) == ["node1", "node2"], tiers
     holder = {_ranks_held(t, step): n for n, t in tiers.items()}
@@ -98,7 +102,9 @@ def test_a_requeued_job_restores_from_the_local_tier_and_the_shared_one_where_it
     assert local0.read_bytes() == shared0.read_bytes()
     shared0.write_bytes(b"\0" * shared0.stat().st_size)  # unreadable: it must not be read
     shutil.rmtree(tiers[node1].parent)  # rank 1's node lacks the step: it reads the shared one
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=10, check=True)
+    # The next run needs no second continuation: a longer limit, and Slurm's hold lifted.
+    for change in ("TimeLimit=10", "StartTime=now"):
+        subprocess.run(["scontrol", "update", f"JobId={job}", change], timeout=10, check=True)
     fields = wait_job(job, timeout_s=300)
     out = (shared_tmp / f"slurm-{job}.out").read_text()
     assert fields["JobState"] == "COMPLETED", out[-4000:]
