@@ -115,6 +115,8 @@ class Agent:
         self.agent_id = ""
         self.round = 0
         self._stop = asyncio.Event()
+        #: the master ended the job to continue it (time limit, preemption): StopAt
+        self._continues = False
         self._round_changed = asyncio.Event()
         self._master_gone = False  # the link gave up reconnecting
         # The workers left the last round in-process and wait for the next (issue 26).
@@ -226,6 +228,10 @@ class Agent:
         await asyncio.to_thread(wd.sweep_stale)  # progress records of a SIGKILLed agent
         # segments kept for a requeue that went elsewhere or never ran
         await asyncio.to_thread(requeue_memory.sweep_stale, os.environ)
+        if self.config.local_ckpt_dir:  # local tiers of this user's jobs that Slurm forgot
+            await asyncio.to_thread(
+                requeue_memory.sweep_stale_tiers, os.environ, self.config.local_ckpt_dir
+            )
         self.replica_server = replicas = start_replica_server(self._token, self.node)
         await self._open_link()
         assert self.link is not None
@@ -252,7 +258,12 @@ class Agent:
                 os.environ,
                 segments=bool(self.saver.segments()) or self.saver.has_local_tier(),
             )
-            await asyncio.to_thread(self.saver.close, not keep)
+            # The local tier also outlives a stop to continue the job (time limit, preemption:
+            # the master requeues it after the agents ended); sweep_stale_tiers takes it later
+            # when the continuation is a new job instead.
+            await asyncio.to_thread(
+                self.saver.close, not keep, remove_local_tier=not (keep or self._continues)
+            )
             await asyncio.to_thread(replicas.close)
             beats.cancel()
             pushes.cancel()
@@ -607,6 +618,7 @@ class Agent:
                 self._round_changed.set()
             elif isinstance(msg, m.StopAt):
                 log.warning("stop at step=%d: %s", msg.step, msg.reason)
+                self._continues = True
                 self.watchdog.request_stop(StopNotice(msg.step, msg.deadline))
             elif isinstance(msg, m.EndWorkers):
                 if local := self.workers.end(msg.ranks):

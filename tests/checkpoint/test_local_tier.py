@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dlrover_hpc import environ
+from dlrover_hpc.agent.requeue_memory import stale_tiers
 from dlrover_hpc.checkpoint import DdpCheckpointer, RankCheckpointer, StorageType
 from dlrover_hpc.checkpoint.env import WorkerEnv
 from dlrover_hpc.checkpoint.event_sinks import ListEventSink
@@ -223,3 +224,18 @@ def test_a_full_local_disk_falls_back_to_the_shared_directory_and_loses_no_step(
     finally:
         with contextlib.suppress(subprocess.CalledProcessError):
             subprocess.run(["umount", str(local)], check=True)
+
+
+@pytest.mark.parametrize(
+    ("names", "stale"),
+    [
+        (["alice_12_node1", "alice_13_node2"], ["alice_12_node1"]),  # 13 is still listed
+        (["bob_12_node1"], []),  # another user's
+        (["alice_local_node1", "alice_x12_node1", "notes.txt"], []),  # no Slurm job id
+        (["alice_13_node1"], []),
+    ],
+)
+def test_the_local_tiers_of_jobs_slurm_no_longer_lists_are_stale(
+    names: list[str], stale: list[str]
+) -> None:
+    assert stale_tiers(names, user="alice", live_jobs={"13"}) == stale

@@ -184,8 +184,16 @@ class SaverHost:
     def segments(self) -> list[str]:
         return [s.path for s in list_segments(self.shm_dir, self.prefix)]
 
-    def close(self, remove_segments: bool = True, *, timeout_s: float = 600.0) -> None:
-        """Stops listening, finishes in-flight persists, then unlinks this job's segments."""
+    def close(
+        self,
+        remove_segments: bool = True,
+        *,
+        timeout_s: float = 600.0,
+        remove_local_tier: bool | None = None,
+    ) -> None:
+        """Stops listening, finishes in-flight persists, then unlinks this job's segments and
+        removes its local tier on this node (``remove_local_tier``; default: with the
+        segments)."""
         with self._lock:
             if self._closed:
                 return
@@ -212,8 +220,9 @@ class SaverHost:
         if remove_segments:
             removed = unlink_segments(self.shm_dir, self.prefix)
             logger.info("checkpoint segments_removed count=%d prefix=%s", len(removed), self.prefix)
-            if self.local_dir:  # the job's end: its local tier goes with its segments
-                remove_job_tier(self.local_dir, self.job_id, self.node_name)
+        remove_tier = remove_segments if remove_local_tier is None else remove_local_tier
+        if remove_tier and self.local_dir:  # the job's end: its local tier goes
+            remove_job_tier(self.local_dir, self.job_id, self.node_name)
 
     def has_local_tier(self) -> bool:
         """Whether this job has steps in the node-local tier (kept, like segments, for a
