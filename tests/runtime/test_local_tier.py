@@ -26,8 +26,9 @@ from dlrover_hpc.localslurm import LocalSlurm, wait_for
 
 pytestmark = pytest.mark.slurm
 FLASH = Path(__file__).resolve().parents[2] / "examples" / "train_flash_ckpt.py"
-#: more than the first run trains before its time limit's signal (60 s before 2 minutes)
-STEPS = 400
+#: more than the first run trains before its time limit's signal (60-90 s into it, ~170-270
+#: steps), less than the requeued run trains before its own (at most ~40 s of steps left)
+STEPS = 300
 
 
 def _committed(job_dir: Path) -> list[int]:
@@ -67,7 +68,7 @@ def test_a_requeued_job_restores_from_the_local_tier_and_the_shared_one_where_it
         "--save-every=1",
         "--persist-every=5",
         "--keep-last=3",
-        "--step-time=0.2",
+        "--step-time=0.3",
         f"--result={shared_tmp / 'result.json'}",
         master_opts="--stop-lead=10",
         extra=("-w", "node[1-2]", "--time=2", "--signal=B:USR1@60", "--open-mode=append"),
@@ -87,11 +88,12 @@ def test_a_requeued_job_restores_from_the_local_tier_and_the_shared_one_where_it
     requeued_at = max(e["time"] for e in events(job_dir))
     # The first run is over: its newest committed step is the one the next run restores.
     step = int((ckpt / "dlrover_latest.txt").read_text())
-    for node in ("node1", "node2"):  # no memory tier: a cluster wipes the job's /dev/shm
-        wipe = f"find /dev/shm -maxdepth 1 -name '*{job}*' -print -delete"
+    # No memory tier: the agents of a run that stopped to continue remove their segments (and
+    # a cluster wipes the job's /dev/shm at its end); whatever is left goes here.
+    for node in ("node1", "node2"):
+        wipe = f"find /dev/shm -maxdepth 1 -name '*{job}*' -delete"
         argv = [*local_slurm.node_exec_argv(node), "sh", "-c", wipe]
-        gone = subprocess.run(argv, check=True, timeout=30, capture_output=True, text=True)
-        assert gone.stdout.strip(), f"no segment of job {job} on {node} to wipe"
+        subprocess.run(argv, check=True, timeout=30)
     tiers = _node_tiers(local, job)
     assert sorted(tiers) == ["node1", "node2"], tiers
     holder = {_ranks_held(t, step): n for n, t in tiers.items()}
@@ -102,9 +104,8 @@ def test_a_requeued_job_restores_from_the_local_tier_and_the_shared_one_where_it
     assert local0.read_bytes() == shared0.read_bytes()
     shared0.write_bytes(b"\0" * shared0.stat().st_size)  # unreadable: it must not be read
     shutil.rmtree(tiers[node1].parent)  # rank 1's node lacks the step: it reads the shared one
-    # The next run needs no second continuation: a longer limit, and Slurm's hold lifted.
-    for change in ("TimeLimit=10", "StartTime=now"):
-        subprocess.run(["scontrol", "update", f"JobId={job}", change], timeout=10, check=True)
+    # Lift Slurm's 120 s hold on a requeued job (a cluster would simply wait).
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=10, check=True)
     fields = wait_job(job, timeout_s=300)
     out = (shared_tmp / f"slurm-{job}.out").read_text()
     assert fields["JobState"] == "COMPLETED", out[-4000:]

@@ -93,7 +93,7 @@ class CheckpointerBase:
             keep_interval=keep_interval,
             replicas=replicas,
         )
-        #: (step, "memory" | "peer" | "storage") of the last successful load_checkpoint()
+        #: (step, "memory" | "peer" | "storage" | "local") of the last successful load_checkpoint()
         self.last_restored: tuple[int, str] | None = None
         self._stopping: tuple[int, float] | None = None  # (step, deadline) of a stop save
 
