@@ -66,6 +66,13 @@ class EventName(StrEnum):
     #: the node-local tier (--local-ckpt-dir) refused a step (step, path, error): it went
     #: straight to the shared checkpoint directory
     CHECKPOINT_LOCAL_TIER_FAILED = "checkpoint_local_tier_failed"
+    #: a persist in flight made no progress for 5 s (seconds, path, step, node; ongoing: true),
+    #: then once more when storage answered or the persist ended (ongoing: false, the seconds
+    #: it lasted); training never waits for it
+    PERSIST_STALLED = "persist_stalled"
+    #: a step waiting for storage whose buffer a newer save took: the newer step (by_step) is
+    #: persisted instead (step, by_step, ranks, node)
+    CHECKPOINT_SUPERSEDED = "checkpoint_superseded"
     CHECKPOINT_RESTORED = "checkpoint_restored"  # a rank restored (step, source)
     RESTORE_REJECTED = "restore_rejected"  # a restored step failed its check (step, source, why)
     CHECKPOINT_REPLICATED = "checkpoint_replicated"  # a node's part copied to peers' memory

@@ -71,6 +71,9 @@ class NullLink:
     def replicate(self, segment_path: str, step: int, count: int) -> None:
         self.replicated.append((segment_path, step, count))
 
+    def release(self, segment_path: str) -> bool:
+        return False  # nothing is ever pinned
+
     def wait_committed(
         self, ckpt_dir: str, step: int, timeout_s: float, rank: int, token: int
     ) -> bool:

@@ -36,7 +36,15 @@ import orjson
 from dlrover_hpc.errors import ReportError
 from dlrover_hpc.report import fields
 from dlrover_hpc.report import lanes as _lanes
-from dlrover_hpc.report.model import Cause, Marker, NodeSummary, Report, Round, Stats
+from dlrover_hpc.report.model import (
+    Cause,
+    Marker,
+    NodeSummary,
+    Report,
+    Round,
+    Stats,
+    StorageStall,
+)
 
 #: events after which the next step interval is not an undisturbed one
 DISTURBING = frozenset(
@@ -73,6 +81,8 @@ class Analysis:
         self.node_events: dict[str, list[tuple[float, str, str]]] = {}  # (time, event, detail)
         self.markers: list[tuple[float, str | None, str, str]] = []
         self.crash_loop: dict[str, Any] | None = None  # the crash_loop event, if the job had one
+        #: storage stalls (persist_stalled), by (node, since): [seconds, ongoing]
+        self.stalls: dict[tuple[str, float], list[Any]] = {}
 
     # ------------------------------------------------------------------ folding
     def add(self, e: dict[str, Any]) -> None:
@@ -136,6 +146,21 @@ class Analysis:
                     self.markers.append((t, None, "requeue", str(e.get("reason", ""))[:80]))
             case "crash_loop":
                 self.crash_loop = e
+            case "persist_stalled":
+                seconds = float(e["seconds"])
+                since = float(e.get("since") or t - seconds)
+                key = (str(node or "?"), round(since, 1))
+                if key not in self.stalls:
+                    self.markers.append(
+                        (since, node, "storage", f"storage stalled ({e.get('path', '?')})")
+                    )
+                stall = self.stalls.setdefault(key, [0.0, True])
+                stall[0] = max(stall[0], seconds)
+                stall[1] = stall[1] and bool(e.get("ongoing"))
+                if not e.get("ongoing"):
+                    self.markers.append(
+                        (t, node, "storage", f"storage answered after {seconds:.0f} s")
+                    )
             case "master_recovered":
                 self.markers.append((t, None, "master", f"downtime {e.get('downtime_s')} s"))
             case _:
@@ -216,6 +241,10 @@ class Analysis:
             last_checkpoint_step=max(self.committed, default=None),
             nodes=self._nodes(spans),
             repeated_failure=repeated_failure(self.crash_loop),
+            storage_stalls=[
+                StorageStall(node, round(since - start, 3), round(v[0], 3), bool(v[1]))
+                for (node, since), v in sorted(self.stalls.items(), key=lambda kv: kv[0][1])
+            ],
             spans=spans,
             markers=[
                 Marker(round(t - start, 3), node, kind, label)

@@ -45,6 +45,7 @@ _FIELDS: Mapping[str, tuple[Mapping[str, Kind], Mapping[str, Kind]]] = {
     EventName.NETCHECK_RESULT: ({}, {"seconds": Kind.NUMBER}),
     EventName.NODE_UNHEALTHY: ({"check": Kind.TEXT}, {}),
     EventName.CRASH_LOOP: ({"rounds": Kind.INT}, {"rank": Kind.INT}),
+    EventName.PERSIST_STALLED: ({"seconds": Kind.NUMBER}, {"since": Kind.TIME}),
 }
 #: Any event may name its node; a hang names its suspect.
 _ANY: Mapping[str, Kind] = {"node": Kind.NODE, "suspected_node": Kind.NODE}

@@ -69,7 +69,17 @@ class Marker:
     time: float
     node: str | None  # None: the whole job (a committed checkpoint, a requeue)
     kind: str  # failure | lost | hang | drained | straggler | checkpoint | requeue | master
-    label: str
+    label: str  # | storage
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StorageStall:
+    """A time a node's persist got no answer from storage (``persist_stalled``)."""
+
+    node: str
+    start: float  # seconds since the job started
+    seconds: float
+    ongoing: bool  # not over when the log ends
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -137,6 +147,7 @@ class Report:
     nodes: list[NodeSummary]  # by rank in their first round, then by name
     #: the job stopped as a crash loop (crash_loop): the rounds and the failure that repeated
     repeated_failure: str = ""
+    storage_stalls: list[StorageStall] = dataclasses.field(default_factory=list)
     spans: list[Span] = dataclasses.field(default_factory=list)
     markers: list[Marker] = dataclasses.field(default_factory=list)
 

@@ -86,6 +86,7 @@ _NODE_MARKERS: dict[str, _Style] = {
     "drained": _Style("D", "#CC79A7", "#000000"),
     "straggler": _Style("^", "#F0E442", "#000000"),
     "master": _Style("*", "#FFFFFF", "#000000", grow=1.4),
+    "storage": _Style("v", "#56B4E9", "#000000"),
 }
 _DEFAULT_MARKER = _Style("o", "#999999", "#000000")
 # Job-wide kinds drawn as ticks on the job lane: colour, line width, opacity.

@@ -76,6 +76,13 @@ def checkpoint_table(r: Report) -> Table:
     sources = ", ".join(f"{n} from {src}" for src, n in sorted(r.restores.items()))
     newest = "-" if r.last_checkpoint_step is None else str(r.last_checkpoint_step)
     t.caption = f"newest committed step: {newest}" + (f"; restores: {sources}" if sources else "")
+    if r.storage_stalls:
+        longest = max(r.storage_stalls, key=lambda s: s.seconds)
+        t.caption += (
+            f"; storage stalls: {len(r.storage_stalls)}, longest {longest.seconds:.0f} s "
+            f"on {longest.node} at +{longest.start:.0f} s"
+            + (" (still stalled)" if any(s.ongoing for s in r.storage_stalls) else "")
+        )
     t.caption_justify = "left"
     return t
 

@@ -217,8 +217,9 @@ def test_a_nan_on_storage_restores_the_older_committed_step(tmp_path: Path, job:
     events = ListEventSink()
     ckpt = DdpCheckpointer(str(tmp_path), env=_env(job), events=events, keep_last=3)
     try:
-        for step in (2, 4):
+        for step in (2, 4):  # each persisted before the next (a save does not wait for it)
             assert ckpt.save_checkpoint(step, filled_state(step), storage_type=StorageType.DISK)
+            assert ckpt.wait_latest_checkpoint(30)
         assert ckpt.save_checkpoint(6, _poisoned(6), storage_type=StorageType.DISK)
         assert ckpt.wait_latest_checkpoint(30)
         # memory=False (as after a node was replaced): storage's 6 is rejected, 4 loads
@@ -245,9 +246,9 @@ def test_a_user_check_rejects_steps_until_one_passes(tmp_path: Path, job: str) -
 
     ckpt = DdpCheckpointer(str(tmp_path), env=_env(job), events=events, validate=validate)
     try:
-        for step in (1, 2, 3):
+        for step in (1, 2, 3):  # each persisted before the next (a save does not wait for it)
             assert ckpt.save_checkpoint(step, filled_state(step), storage_type=StorageType.DISK)
-        assert ckpt.wait_latest_checkpoint(30)
+            assert ckpt.wait_latest_checkpoint(30)
         assert ckpt.save_checkpoint(4, filled_state(4), storage_type=StorageType.MEMORY)
         check_filled(ckpt.load_checkpoint(), 2)
         # memory 4, then memory 3 (the second buffer; storage's newest is 3 too), then 2

@@ -247,3 +247,30 @@ def test_a_crash_loop_is_named_with_its_repeated_failure() -> None:
         console.export_text()
     )
     assert analyze(failed_and_restored()).repeated_failure == ""
+
+
+def test_storage_stalls_are_on_the_timeline_and_in_the_checkpoint_table() -> None:
+    log = failed_and_restored()
+    path = "/shared/ckpt/checkpoint-20.pt"
+    stall = {"path": path, "step": 20, "since": T0 + 6.0}
+    log[6:6] = [
+        ev(11, "persist_stalled", node="n1", seconds=5.0, ongoing=True, **stall),
+        ev(11.2, "persist_stalled", node="n2", seconds=5.2, ongoing=True, **stall),
+    ]
+    log.insert(-3, ev(16, "persist_stalled", node="n1", seconds=10.0, ongoing=False, **stall))
+    r = analyze(log)
+    assert [(s.node, s.start, s.seconds, s.ongoing) for s in r.storage_stalls] == [
+        ("n1", 6.0, 10.0, False),
+        ("n2", 6.0, 5.2, True),  # the log ends with n2's persist still waiting
+    ]
+    storage = [(m.time, m.node, m.label) for m in r.markers if m.kind == "storage"]
+    assert storage == [
+        (6.0, "n1", f"storage stalled ({path})"),
+        (6.0, "n2", f"storage stalled ({path})"),
+        (16.0, "n1", "storage answered after 10 s"),
+    ]
+    console = Console(width=300, record=True)
+    print_report(r, console)
+    text = " ".join(console.export_text().split())  # the caption wraps at the table's width
+    assert "storage stalls: 2, longest 10 s on n1 at +6 s (still stalled)" in text
+    assert analyze(failed_and_restored()).storage_stalls == []

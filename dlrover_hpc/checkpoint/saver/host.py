@@ -34,6 +34,7 @@ from dlrover_hpc.checkpoint.saver.worker_protocol import (
     VERSION,
     Hello,
     Ping,
+    Release,
     Replicate,
     Report,
     Saved,
@@ -320,6 +321,8 @@ class SaverHost:
             path = self._own_segment(message.segment, spilled=bool(message.spilled))
             self.core.submit(path, step=int(message.step))
             return {}
+        if isinstance(message, Release):
+            return {"released": self.core.release(self._own_segment(message.segment))}
         if isinstance(message, Replicate):
             path = self._own_segment(message.segment)
             self._replicate(path, int(message.step), int(message.count))

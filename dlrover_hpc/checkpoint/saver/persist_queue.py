@@ -5,6 +5,14 @@ the training process itself when there is no agent (`trainer.saver_connection.In
 It never imports torch.  One persist thread takes requests in arrival order, persisting all
 pending parts of one step together (each file with several I/O threads), then reports them to the
 `CommitCoordinator`; the one caller that completes a step writes its commit record.
+
+A queued step keeps its buffer pinned (LOCK_SH), so saves use the rank's other buffer.  Only
+when a save finds both pinned (one persisting, one queued behind it: storage is slower than the
+saves, or hangs) does it ask :meth:`SaverCore.release` for the queued one instead of waiting:
+that step is superseded (``checkpoint_superseded``), and when the persist in flight ends, the
+newest step the released buffer holds is persisted in its place.  So training never waits for
+storage, and the newest step is the one that becomes durable when storage answers again
+(:mod:`.stalls` reports the wait as ``persist_stalled``).
 """
 
 from __future__ import annotations
@@ -12,7 +20,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import shutil
 import threading
 import time
 
@@ -20,6 +27,8 @@ from dlrover_hpc.checkpoint.api import CommitCoordinator, EventSink, FaultHook
 from dlrover_hpc.checkpoint.saver.commit_records import CheckpointDir, CommitRecord
 from dlrover_hpc.checkpoint.saver.part_files import PartInfo, persist_part
 from dlrover_hpc.checkpoint.saver.segments import Header, Segment
+from dlrover_hpc.checkpoint.saver.space import check_space
+from dlrover_hpc.checkpoint.saver.stalls import StallWatch
 from dlrover_hpc.checkpoint.saver.storage import Storage, _no_fault
 from dlrover_hpc.checkpoint.saver.tier_writer import TierWriter
 from dlrover_hpc.errors import CheckpointError
@@ -31,8 +40,8 @@ SAY_EVERY_S = 5.0  # a persist that outlasts this on close says what is left, th
 
 #: Checkpoint directories whose storage is kept open (a worker may name any in a request).
 MAX_STORAGES = 16
-#: Warn while the checkpoint storage has room for fewer than this many more checkpoints.
-LOW_SPACE_CHECKPOINTS = 2
+#: How long the persist thread waits between tries to pin a released buffer a save writes.
+PIN_RETRY_S = 0.01
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,14 +82,17 @@ class SaverCore:
         self._events = events
         self._node = node_name
         self._io_threads = io_threads
-        self._fault: FaultHook = fault or _no_fault
+        self._user_fault: FaultHook = fault or _no_fault
         self._drop_cache = drop_cache
+        self.stalls = StallWatch(events=events, node=node_name)
+        self.superseded = 0  # queued steps a newer save replaced before they were persisted
         self._cond = threading.Condition()
         self._queue: collections.deque[_Request] = collections.deque()
         self._busy = False
         self._stopping = False
         self._segments: dict[str, Segment] = {}
         self._pinned: set[str] = set()
+        self._owed: dict[str, _Request] = {}  # released buffers: their newer step is persisted
         self._storages: dict[str, Storage] = {}
         self._durable: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=256)
         self._failed: dict[int, int] = {}
@@ -91,12 +103,18 @@ class SaverCore:
         self._token: int | None = None
         self._thread: threading.Thread | None = None
 
+    def _fault(self, point: str) -> None:
+        """Every named point of a persist is progress (:class:`StallWatch`), then the test seam."""
+        self.stalls.progress()
+        self._user_fault(point)
+
     # ------------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ckpt-saver", daemon=True)
                 self._thread.start()
+        self.stalls.start()
 
     def close(self, *, timeout_s: float = 600.0) -> bool:
         """Finishes queued persists (up to `timeout_s`), then stops; True if all finished."""
@@ -106,10 +124,12 @@ class SaverCore:
             for req in self._queue:
                 self._unpin(req.path)
             self._queue.clear()
+            self._owed.clear()
             self._cond.notify_all()
             thread = self._thread
         if thread is not None:
             thread.join(timeout=max(1.0, timeout_s))
+        self.stalls.close()
         with self._cond:
             for seg in self._segments.values():
                 seg.close()
@@ -140,14 +160,83 @@ class SaverCore:
                     "it was overwritten or never completed"
                 )
             self._observe_token(info.token)
+            self._owed.pop(path, None)  # this newer step pays what the buffer owed
             self._pinned.add(path)
             self._queue.append(_Request(path=path, segment=seg, header=header, info=info))
             self._wanted[info.ckpt_dir] = max(self._wanted.get(info.ckpt_dir, -1), step)
             self._cond.notify_all()
 
+    def release(self, path: str) -> bool:
+        """A save found both of its rank's buffers pinned (one persisting, one queued behind
+        it: storage is slower than the saves, or hangs).  Unpins the queued one, so the save
+        takes it instead of waiting; the step it held is superseded: once the persist in flight
+        ends, whatever newer step that buffer holds then is persisted in its place.  False when
+        `path` is not queued (it is being persisted, or was never submitted)."""
+        with self._cond:
+            req = next((r for r in self._queue if r.path == path), None)
+            if req is None:
+                return False
+            self._queue.remove(req)
+            self._unpin(path)
+            self._owed[path] = req
+        self._superseded(req.info, "a newer save")
+        return True
+
+    def _settle_owed(self) -> None:
+        """Under the lock, the persist thread idle: each released buffer's newest step (at
+        least the step it owed, same directory) is queued; one a save is writing waits."""
+        for path, old in list(self._owed.items()):
+            seg = old.segment
+            if path in self._pinned or not seg.try_lock(exclusive=False):
+                continue
+            header = seg.header()
+            info = PartInfo.from_header(header) if header else None
+            del self._owed[path]
+            if (
+                header is None
+                or info is None
+                or info.ckpt_dir != old.info.ckpt_dir
+                or info.token != old.info.token
+                or header.step < old.info.step
+                or any(
+                    r.info.ckpt_dir == info.ckpt_dir and r.info.step >= header.step
+                    for r in self._queue
+                )
+            ):
+                # no newer step of that save, or a queued one is newer (steps commit in order)
+                seg.unlock()
+                continue
+            self._pinned.add(path)
+            self._queue.append(_Request(path=path, segment=seg, header=header, info=info))
+            self._wanted[info.ckpt_dir] = max(self._wanted.get(info.ckpt_dir, -1), header.step)
+            logger.info(
+                "checkpoint superseded step=%d persisting=%d path=%s",
+                old.info.step,
+                header.step,
+                path,
+            )
+
+    def _superseded(self, info: PartInfo, by: str) -> None:
+        self.superseded += 1
+        logger.info(
+            "checkpoint superseded step=%d path=%s: it waited for storage behind another persist "
+            "and %s took its buffer; the newest step is persisted in its place",
+            info.step,
+            info.path,
+            by,
+        )
+        if self._events is not None:
+            self._events.emit(
+                EventName.CHECKPOINT_SUPERSEDED,
+                step=info.step,
+                ranks=list(info.ranks),
+                path=info.path,
+                node=self._node,
+            )
+
     def _segment(self, path: str) -> Segment:
         seg = self._segments.get(path)
-        if seg is not None and path not in self._pinned and seg.stale():
+        if seg is not None and path not in self._pinned and path not in self._owed and seg.stale():
             seg.close()
             seg = None
         if seg is None:
@@ -181,8 +270,12 @@ class SaverCore:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait()
+                while True:
+                    if self._owed:
+                        self._settle_owed()
+                    if self._queue or self._stopping:
+                        break
+                    self._cond.wait(PIN_RETRY_S if self._owed else None)
                 if self._stopping and not self._queue:
                     return
                 first = self._queue[0]
@@ -194,6 +287,7 @@ class SaverCore:
                 for r in batch:
                     self._queue.remove(r)
                 self._busy = True
+            self.stalls.started(first.info.step, first.info.path)
             try:
                 self._persist_batch(batch)
             except Exception as exc:  # thread boundary: log once, keep serving
@@ -201,6 +295,7 @@ class SaverCore:
                 with self._cond:
                     self._errors[first.info.ckpt_dir] = f"step {first.info.step}: {exc!r}"
             finally:
+                self.stalls.finished()
                 with self._cond:
                     for r in batch:
                         self._unpin(r.path)
@@ -284,7 +379,15 @@ class SaverCore:
                 root = cdir.root
                 self._committed[root] = max(self._committed.get(root, -1), info.step)
         if nbytes:
-            self._check_space(storage, cdir.root, info, nbytes // max(1, len(done)))
+            check_space(
+                storage,
+                cdir.root,
+                info,
+                nbytes // max(1, len(done)),
+                warned=self._low_space,
+                events=self._events,
+                node=self._node,
+            )
         seconds = time.perf_counter() - t0
         logger.info(
             "checkpoint persisted step=%d ranks=%s seconds=%.3f bytes=%d committed=%s",
@@ -320,52 +423,6 @@ class SaverCore:
     def _is_durable(self, info: PartInfo) -> bool:
         with self._cond:
             return all((r, info.step, info.token) in self._durable for r in info.ranks)
-
-    def _check_space(self, storage: Storage, root: str, info: PartInfo, part_bytes: int) -> None:
-        """A warning (log and ``checkpoint_storage_low``) when the storage under a local
-        checkpoint directory has room for fewer than :data:`LOW_SPACE_CHECKPOINTS` more
-        checkpoints of this size; once, until room returns."""
-        if not storage.local:
-            return  # an object store or a remote file system says nothing of its free space
-        try:
-            free = shutil.disk_usage(storage.path(root)).free
-        except OSError:
-            return
-        need = part_bytes * info.parts  # the whole checkpoint, every rank's part
-        if free >= LOW_SPACE_CHECKPOINTS * need:
-            self._low_space.discard(root)
-            return
-        if root in self._low_space:
-            return
-        self._low_space.add(root)
-        retention = info.retention()
-        fix = (
-            "keep fewer checkpoints: keep_last=N or keep_interval=N on the checkpointer "
-            "(DLRover's deletion_strategy=KeepLatestStepStrategy / KeepStepIntervalStrategy); "
-            f"now keep_last={retention.get('keep_last')} "
-            f"keep_interval={retention.get('keep_interval')}; or free space, or move the "
-            "checkpoint directory to a larger file system"
-        )
-        logger.warning(
-            "checkpoint storage_low dir=%s free_bytes=%d checkpoint_bytes=%d step=%d: room for "
-            "fewer than %d more checkpoints; %s",
-            root,
-            free,
-            need,
-            info.step,
-            LOW_SPACE_CHECKPOINTS,
-            fix,
-        )
-        if self._events is not None:
-            self._events.emit(
-                EventName.CHECKPOINT_STORAGE_LOW,
-                step=info.step,
-                path=root,
-                free_bytes=free,
-                checkpoint_bytes=need,
-                fix=fix,
-                node=self._node,
-            )
 
     def _report_failure(self, info: PartInfo, exc: BaseException) -> None:
         with self._cond:
@@ -414,7 +471,7 @@ class SaverCore:
     def wait_idle(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._queue or self._busy:
+            while self._queue or self._busy or self._owed:
                 left = deadline - time.monotonic()
                 if left <= 0 or (self._thread is None and not self._busy):
                     return False

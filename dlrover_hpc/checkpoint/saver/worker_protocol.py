@@ -86,6 +86,13 @@ class Saved:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Release:
+    """Both of a rank's buffers are pinned: unpin the queued one (its step is superseded)."""
+
+    segment: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Replicate:
     segment: str
     step: int
@@ -119,6 +126,7 @@ MESSAGES: dict[str, type] = {
     "hello": Hello,
     "saved": Saved,
     "replicate": Replicate,
+    "release": Release,
     "wait": Wait,
     "report": Report,
     "ping": Ping,

@@ -107,7 +107,12 @@ class Engine:
             else None
         )
         self.pinner = HostPinner()
-        self.buffers = SegmentPair(self.segment_path, self.pinner, max_wait_s=max_wait_s)
+        self.buffers = SegmentPair(
+            self.segment_path,
+            self.pinner,
+            max_wait_s=max_wait_s,
+            release=getattr(self.link, "release", None),  # a link of an older interface: None
+        )
         #: the on-device snapshot and drain thread of saves that return early (GPU state)
         self.deferred = DeferredSaves(SnapshotPolicy.from_env(device_snapshot))
         self.last_disk_step: int | None = None

@@ -26,6 +26,7 @@ from dlrover_hpc.checkpoint.saver.tier_writer import TierWriter
 from dlrover_hpc.checkpoint.saver.worker_protocol import (
     MAX_TIMEOUT_S,
     Hello,
+    Release,
     Replicate,
     Report,
     Saved,
@@ -47,6 +48,8 @@ class SaverLink(Protocol):
     def submit(self, segment_path: str, step: int) -> None: ...
 
     def replicate(self, segment_path: str, step: int, count: int) -> None: ...
+
+    def release(self, segment_path: str) -> bool: ...
 
     def wait_committed(
         self, ckpt_dir: str, step: int, timeout_s: float, rank: int, token: int
@@ -78,6 +81,15 @@ class SocketLink:
     def replicate(self, segment_path: str, step: int, count: int) -> None:
         name = os.path.basename(segment_path)
         self._client.request(Replicate(segment=name, step=step, count=count))
+
+    def release(self, segment_path: str) -> bool:
+        """Asks the saver to unpin this buffer's queued step (superseded); False when it is
+        being persisted, or the agent is older than this request."""
+        try:
+            reply = self._client.request(Release(segment=os.path.basename(segment_path)))
+        except CheckpointError:
+            return False
+        return bool(reply.get("released"))
 
     def report(
         self,
@@ -168,6 +180,9 @@ class InProcessSaver:
 
     def submit(self, segment_path: str, step: int) -> None:
         self.core.submit(segment_path, step=step)
+
+    def release(self, segment_path: str) -> bool:
+        return self.core.release(segment_path)
 
     def replicate(self, segment_path: str, step: int, count: int) -> None:
         """No agents, no peers: a step lives in this node's memory and on storage only."""

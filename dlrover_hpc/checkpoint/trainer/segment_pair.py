@@ -1,8 +1,11 @@
 """This rank's two shared-memory segments, and which one a save writes.
 
 A save takes a buffer under LOCK_EX: the one not holding the newest step when the saver has
-not pinned it, else the other one; only when the saver pins both (two persists queued) does a
-save wait, and that wait is logged and reported as blocking time.  Segments stay mapped for
+not pinned it, else the other one.  When the saver pins both (one persisting, one queued behind
+it: storage is slower than the saves, or hangs), the save asks the saver to release the queued
+one and takes it: that step is superseded by this newer one, and training never waits for
+storage.  Only a saver that cannot release (an older agent) makes a save wait, logged and
+reported as blocking time.  Segments stay mapped for
 the life of the process; the second one is created and pre-faulted in a background thread
 after the first save.  A segment whose file was removed (a replaced node, a cleanup) is
 dropped, so the next save creates it again.
@@ -30,10 +33,17 @@ class SegmentPair:
     """The double buffer of one rank: acquire, finish, prepare the second, warm them up."""
 
     def __init__(
-        self, path_of: Callable[[int], str], pinner: HostPinner, *, max_wait_s: float
+        self,
+        path_of: Callable[[int], str],
+        pinner: HostPinner,
+        *,
+        max_wait_s: float,
+        release: Callable[[str], bool] | None = None,
     ) -> None:
         self._path_of = path_of
         self._pinner = pinner
+        #: asks the saver to unpin a buffer whose step waits in its queue (True: it did)
+        self._release = release
         #: longest a save waits for the saver to release a buffer before it is skipped
         self.max_wait_s = max_wait_s
         self.segments: list[Segment | None] = [None, None]
@@ -94,7 +104,10 @@ class SegmentPair:
         order = [0, 1] if self.newest is None else [1 - self.newest, self.newest]
         size = needed_size(image_len, meta_len)
         t0 = time.perf_counter()
+        released = self._release is None
         while True:
+            if not released and all(self.segments[b] is not None for b in order):
+                released = self._release_queued(order)
             for buffer in order:
                 seg = self.segment(buffer)
                 if seg.try_lock(exclusive=True):
@@ -116,6 +129,20 @@ class SegmentPair:
                     f"{self.max_wait_s:.0f} s (is storage hanging?); this save is skipped"
                 )
             time.sleep(0.005)  # the saver unpins a buffer when its persist ends
+
+    def _release_queued(self, order: list[int]) -> bool:
+        """Both buffers locked by the saver: asks it to let go of the queued one (after one
+        more look, the persist in flight may have just ended); True once asked."""
+        assert self._release is not None
+        for buffer in order:
+            seg = self.segment(buffer)
+            if seg.try_lock(exclusive=True):
+                seg.unlock()
+                return False  # one is free: no step needs to be superseded
+        for buffer in order:
+            if self._release(self.segment(buffer).path):
+                return True
+        return True  # neither is queued (both persisting: two savers?); wait as before
 
     @staticmethod
     def _grow(seg: Segment, size: int) -> None:
