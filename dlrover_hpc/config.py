@@ -259,6 +259,8 @@ class RunConfig:
     #: --health-check: the site's node check, run before joining ("": none)
     health_check: str = settings.HEALTH_CHECK.default
     health_check_timeout_s: float = settings.HEALTH_CHECK_TIMEOUT.default
+    #: --local-ckpt-dir: the node-local checkpoint tier ("": none)
+    local_ckpt_dir: str = settings.LOCAL_CKPT_DIR.default
     #: the crash-loop guard of an in-process master (copied by :func:`embedded_master_config`)
     crash_loop_rounds: int = settings.CRASH_LOOP_ROUNDS.default
     #: an in-process master's --persist-every and --node-mtbf (copied by embedded_master_config)
@@ -310,6 +312,11 @@ class RunConfig:
         _check_std_streams("--tee", self.tee)
         check_link_timeout(self.link_timeout_s)
         check_crash_loop_rounds(self.crash_loop_rounds)
+        if self.local_ckpt_dir and not os.path.isabs(self.local_ckpt_dir):
+            raise ConfigError(
+                f"--local-ckpt-dir={self.local_ckpt_dir}: expected an absolute path on the "
+                "node's own disk, e.g. --local-ckpt-dir=/local/scratch/ckpt"
+            )
         if not (0 < self.health_check_timeout_s < math.inf):
             raise ConfigError(
                 f"--health-check-timeout={self.health_check_timeout_s:g}: must be more than 0 "

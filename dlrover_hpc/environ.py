@@ -54,6 +54,9 @@ INPROCESS_WAIT_S = PREFIX + "INPROCESS_WAIT_S"
 SHM_DIR = PREFIX + "SHM_DIR"
 #: Where a DISK save goes on its way to storage when shared memory has no room for it.
 SPILL_DIR = PREFIX + "SPILL_DIR"
+#: The node-local checkpoint tier (``--local-ckpt-dir``): steps go there before the shared
+#: directory, and a restore reads them there first.
+LOCAL_CKPT_DIR = PREFIX + "LOCAL_CKPT_DIR"
 #: ``0``/``false``/``off``: no device-side snapshot of CUDA tensors before the copy to memory.
 CKPT_DEVICE_SNAPSHOT = PREFIX + "CKPT_DEVICE_SNAPSHOT"
 #: A crash trial's kill point (benchmarks/checkpoint_crash.py), read by the saver.

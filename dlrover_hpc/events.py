@@ -63,6 +63,9 @@ class EventName(StrEnum):
     CHECKPOINT_PERSISTED = "checkpoint_persisted"  # a step committed on storage
     CHECKPOINT_PERSIST_FAILED = "checkpoint_persist_failed"  # storage refused (step, error)
     CHECKPOINT_STORAGE_LOW = "checkpoint_storage_low"  # room for < 2 more checkpoints
+    #: the node-local tier (--local-ckpt-dir) refused a step (step, path, error): it went
+    #: straight to the shared checkpoint directory
+    CHECKPOINT_LOCAL_TIER_FAILED = "checkpoint_local_tier_failed"
     #: a persist in flight made no progress for 5 s (seconds, path, step, node; ongoing: true),
     #: then once more when storage answered or the persist ended (ongoing: false, the seconds
     #: it lasted); training never waits for it

@@ -640,6 +640,20 @@ HEALTH_CHECK_TIMEOUT = Setting(
     "as unhealthy (default 60)",
 )
 
+LOCAL_CKPT_DIR = Setting(
+    key="local_ckpt_dir",
+    flags=("--local-ckpt-dir",),
+    default="",
+    metavar="DIR",
+    env_name=environ.LOCAL_CKPT_DIR,
+    help="a node-local checkpoint tier (an absolute path on the node's own disk, NVMe on real "
+    "clusters): each persisted step is written there first, then to the shared checkpoint "
+    "directory, and a restore (a relaunched agent, a requeue on the same node) reads it there "
+    "instead of the shared file system; keeps the checkpointer's keep_last steps (default 2), "
+    "removed when the job ends for good; a failing or full local disk falls back to the "
+    "shared directory (checkpoint_local_tier_failed) (default: none)",
+)
+
 
 def _off(name: str, *, what: str, cost: str) -> Setting[bool]:
     """The off switch of something dlrover-run puts into its workers (``--no-<name>``;
@@ -879,6 +893,7 @@ _RUN = (
     MASTER, NETWORK_CHECK, EXCLUDE_STRAGGLER, NODE_UNIT, LINK_TIMEOUT, RECONNECT_TIMEOUT,
     HANG_TIMEOUT, STRAGGLER_FACTOR, REQUEUE_BY, *OFF_SWITCHES, TRANSPARENT, JOB_DIR, CONFIG,
     HEALTH_CHECK, HEALTH_CHECK_TIMEOUT, CRASH_LOOP_ROUNDS, PERSIST_EVERY, NODE_MTBF,
+    LOCAL_CKPT_DIR,
 )  # fmt: skip
 _MASTER = (
     HOST, PORT, NNODES, NODE_UNIT, TOPOLOGY, DRAIN, JOB_DIR, MAX_RESTARTS, HEARTBEAT_TIMEOUT,

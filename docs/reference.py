@@ -64,6 +64,7 @@ INTERNAL = frozenset(
         "ROUND",
         "PROGRESS_FILE",
         "REQUEUE_BY",
+        "LOCAL_CKPT_DIR",
         "AGENT_PREFIX",
         "CRASH_KILL_AT",
         "REPLACES",

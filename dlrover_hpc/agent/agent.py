@@ -21,7 +21,7 @@ from dlrover_hpc.agent.master_link import MasterLink
 from dlrover_hpc.agent.node_lock import hold_node_lock
 from dlrover_hpc.agent.probe import run_probe
 from dlrover_hpc.agent.reports import report_failure
-from dlrover_hpc.agent.saver_link import start_replica_server, start_saver
+from dlrover_hpc.agent.saver_link import local_tier_env, start_replica_server, start_saver
 from dlrover_hpc.agent.workers import WorkerFailure, WorkerGroup
 from dlrover_hpc.agent.zygote import Zygote
 from dlrover_hpc.checkpoint.saver.host import SaverHost
@@ -115,6 +115,8 @@ class Agent:
         self.agent_id = ""
         self.round = 0
         self._stop = asyncio.Event()
+        #: the master ended the job to continue it (time limit, preemption): StopAt
+        self._continues = False
         self._round_changed = asyncio.Event()
         self._master_gone = False  # the link gave up reconnecting
         # The workers left the last round in-process and wait for the next (issue 26).
@@ -226,6 +228,10 @@ class Agent:
         await asyncio.to_thread(wd.sweep_stale)  # progress records of a SIGKILLed agent
         # segments kept for a requeue that went elsewhere or never ran
         await asyncio.to_thread(requeue_memory.sweep_stale, os.environ)
+        if self.config.local_ckpt_dir:  # local tiers of this user's jobs that Slurm forgot
+            await asyncio.to_thread(
+                requeue_memory.sweep_stale_tiers, os.environ, self.config.local_ckpt_dir
+            )
         self.replica_server = replicas = start_replica_server(self._token, self.node)
         await self._open_link()
         assert self.link is not None
@@ -239,6 +245,7 @@ class Agent:
             token=self._token,
             replicas=replicas,
             events_path=str(jobdir.events_path(self.job_dir)),
+            local_dir=self.config.local_ckpt_dir,
         )
         try:
             return await self._rounds()
@@ -247,9 +254,16 @@ class Agent:
             # Finish in-flight persists (they need the master), then remove the segments,
             # unless Slurm requeued the job: its next run restores from them on this node.
             keep = self._stop.is_set() and await asyncio.to_thread(
-                requeue_memory.keep_for_requeue, os.environ, segments=bool(self.saver.segments())
+                requeue_memory.keep_for_requeue,
+                os.environ,
+                segments=bool(self.saver.segments()) or self.saver.has_local_tier(),
             )
-            await asyncio.to_thread(self.saver.close, not keep)
+            # The local tier also outlives a stop to continue the job (time limit, preemption:
+            # the master requeues it after the agents ended); sweep_stale_tiers takes it later
+            # when the continuation is a new job instead.
+            await asyncio.to_thread(
+                self.saver.close, not keep, remove_local_tier=not (keep or self._continues)
+            )
             await asyncio.to_thread(replicas.close)
             beats.cancel()
             pushes.cancel()
@@ -351,6 +365,7 @@ class Agent:
                 forward_timing=os.environ.get(environ.FORWARD_TIMING) == "1",
                 saver_socket=self.saver.socket_path if self.saver else None,
             ).to_environ(),
+            **local_tier_env(self.config.local_ckpt_dir),
             **self._extra_env,
         }
         self.diagnoser.workers_starting()
@@ -603,6 +618,7 @@ class Agent:
                 self._round_changed.set()
             elif isinstance(msg, m.StopAt):
                 log.warning("stop at step=%d: %s", msg.step, msg.reason)
+                self._continues = True
                 self.watchdog.request_stop(StopNotice(msg.step, msg.deadline))
             elif isinstance(msg, m.PersistStep) and self.saver is not None:
                 log.info("persist at step=%d: %s", msg.step, msg.reason)

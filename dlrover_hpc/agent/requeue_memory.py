@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 from collections.abc import Collection, Mapping
 
 from dlrover_hpc.checkpoint.env import (
@@ -116,4 +117,36 @@ def sweep_stale(
             continue
     if removed:
         log.info("checkpoint stale_segments_removed count=%d first=%s", len(removed), removed[0])
+    return removed
+
+
+def stale_tiers(names: Collection[str], *, user: str, live_jobs: Collection[str]) -> list[str]:
+    """The names (in a ``--local-ckpt-dir``) of ``user``'s local tiers of Slurm jobs not in
+    ``live_jobs`` (:func:`dlrover_hpc.checkpoint.saver.local_tier.job_key`'s names)."""
+    mine = re.compile(re.escape(safe_component(user)) + r"_(?P<job>\d+)_")
+    return sorted(n for n in names if (m := mine.match(n)) and m["job"] not in live_jobs)
+
+
+def sweep_stale_tiers(
+    environ: Mapping[str, str], local_dir: str, *, run: slurm.Runner = slurm.run_command
+) -> list[str]:
+    """Under Slurm: removes from ``local_dir`` this user's local tiers of jobs Slurm no longer
+    lists (a continuation that became a new job, a node that never ran the requeued job)."""
+    env = parse_slurm_env(environ)
+    if env is None:
+        return []
+    user = current_user()
+    try:
+        names = stale_tiers(os.listdir(local_dir), user=user, live_jobs={env.job_id})
+        if not names:
+            return []
+        live = slurm.my_job_ids(run=run, timeout_s=ASK_TIMEOUT_S) | {env.job_id}
+    except (SlurmError, OSError) as exc:
+        log.info("checkpoint stale_tiers_not_swept error=%s", exc)
+        return []
+    removed = stale_tiers(names, user=user, live_jobs=live)
+    for name in removed:
+        shutil.rmtree(os.path.join(local_dir, name), ignore_errors=True)
+    if removed:
+        log.info("checkpoint stale_local_tiers_removed dir=%s names=%s", local_dir, removed)
     return removed

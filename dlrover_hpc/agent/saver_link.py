@@ -9,6 +9,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from dlrover_hpc import environ
 from dlrover_hpc.agent.master_link import MasterLink
 from dlrover_hpc.checkpoint.env import DEFAULT_SHM_DIR, current_user, segment_prefix
 from dlrover_hpc.checkpoint.event_sinks import JsonlEventSink
@@ -54,6 +55,11 @@ class MasterEventSink:
             log.warning("event not delivered event=%s error=%s", event, exc)
 
 
+def local_tier_env(local_dir: str) -> dict[str, str]:
+    """What tells the workers of the node-local tier (they restore from it first)."""
+    return {environ.LOCAL_CKPT_DIR: local_dir} if local_dir else {}
+
+
 def saver_socket_path(job_id: str, node: str) -> str:
     """Names carry user, job and node, so two jobs on one node never collide."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{local_user()}-{job_id}-{node}")
@@ -84,9 +90,11 @@ def start_saver(
     token: str,
     replicas: ReplicaServer,
     events_path: str | None = None,
+    local_dir: str = "",
 ) -> SaverHost:
     """``events_path``: the job's events.jsonl, where the node's ``checkpoint_saved`` lines go
-    (one per step; the workers append there too, with O_APPEND)."""
+    (one per step; the workers append there too, with O_APPEND); ``local_dir``: the node-local
+    tier (``--local-ckpt-dir``; "": none)."""
     loop = asyncio.get_running_loop()
     events = MasterEventSink(client, loop, node)
     prefix = segment_prefix(user=current_user(), job_id=job_id, node_name=node)
@@ -102,6 +110,7 @@ def start_saver(
         events=events,
         replicas=sender,
         saved_events=JsonlEventSink(events_path, node=node) if events_path else None,
+        local_dir=local_dir,
     )
     host.start()
     log.info("checkpoint saver listening socket=%s", host.socket_path)

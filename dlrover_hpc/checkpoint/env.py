@@ -36,6 +36,11 @@ def safe_component(value: str, *, limit: int = 48) -> str:
     return f"{cleaned[: limit - 9]}_{digest}"
 
 
+def local_ckpt_dir(env: Mapping[str, str] | None = None) -> str:
+    """The node-local checkpoint tier (``--local-ckpt-dir``); "" when there is none."""
+    return (os.environ if env is None else env).get(environ.LOCAL_CKPT_DIR, "")
+
+
 def spill_dir() -> str:
     return os.environ.get(ENV_SPILL_DIR) or os.environ.get("TMPDIR") or "/var/tmp"
 

@@ -233,6 +233,7 @@ def _value_cases() -> list[Case]:
             )
         ),
         Case(RUN, ("--health-check-timeout=0", "train.py"), says="--health-check-timeout=0"),
+        Case(RUN, ("--local-ckpt-dir=scratch", "train.py"), says="expected an absolute path"),
         Case(HPC, ("status", "--watch", "0"), says="--watch"),
         Case(HPC, ("status", "--watch", "x"), says="--watch"),
         Case(HPC, ("status", "--watch", "1", "--json"), says="drop --json"),

@@ -22,6 +22,7 @@ from typing import Any
 
 from dlrover_hpc.checkpoint.api import CommitCoordinator, EventSink, FaultHook
 from dlrover_hpc.checkpoint.env import DEFAULT_SHM_DIR, current_user, segment_prefix, spill_dir
+from dlrover_hpc.checkpoint.saver.local_tier import job_tier_exists, remove_job_tier
 from dlrover_hpc.checkpoint.saver.persist_at import PersistAt
 from dlrover_hpc.checkpoint.saver.persist_queue import Durability, SaverCore
 from dlrover_hpc.checkpoint.saver.recovery import persist_latest
@@ -29,6 +30,7 @@ from dlrover_hpc.checkpoint.saver.replica_sender import ReplicaSender
 from dlrover_hpc.checkpoint.saver.replicas import replica_peers
 from dlrover_hpc.checkpoint.saver.save_events import FLUSH_S, SavedEvents
 from dlrover_hpc.checkpoint.saver.segments import list_segments, unlink_segments
+from dlrover_hpc.checkpoint.saver.tier_writer import TierWriter
 from dlrover_hpc.checkpoint.saver.worker_protocol import (
     VERSION,
     Hello,
@@ -63,9 +65,11 @@ class SaverHost:
         fault: FaultHook | None = None,
         replicas: ReplicaSender | None = None,
         saved_events: EventSink | None = None,
+        local_dir: str = "",
     ) -> None:
         """``saved_events``: where the node's ``checkpoint_saved`` lines go, one per step
-        (:mod:`save_events`; the job's events.jsonl); None: each worker writes its own."""
+        (:mod:`save_events`; the job's events.jsonl); None: each worker writes its own.
+        ``local_dir``: the node-local tier each step goes to first (:mod:`tier_writer`)."""
         if not job_id or not node_name:
             raise CheckpointError("SaverHost needs a non-empty job_id and node_name")
         self.job_id = job_id
@@ -73,8 +77,19 @@ class SaverHost:
         self.socket_path = socket_path
         self.shm_dir = shm_dir
         self.prefix = segment_prefix(user=current_user(), job_id=job_id, node_name=node_name)
+        self.local_dir = local_dir
+        tiers = (
+            TierWriter(local_dir, job=job_id, events=events, node_name=node_name, fault=fault)
+            if local_dir
+            else None
+        )
         self.core = SaverCore(
-            commit=commit, events=events, node_name=node_name, io_threads=io_threads, fault=fault
+            commit=commit,
+            events=events,
+            node_name=node_name,
+            io_threads=io_threads,
+            fault=fault,
+            tiers=tiers,
         )
         #: the master's --persist-every: each rank's first save at or after a step is persisted
         self.persist_at = PersistAt(self.core, lambda: list_segments(self.shm_dir, self.prefix))
@@ -178,8 +193,16 @@ class SaverHost:
     def segments(self) -> list[str]:
         return [s.path for s in list_segments(self.shm_dir, self.prefix)]
 
-    def close(self, remove_segments: bool = True, *, timeout_s: float = 600.0) -> None:
-        """Stops listening, finishes in-flight persists, then unlinks this job's segments."""
+    def close(
+        self,
+        remove_segments: bool = True,
+        *,
+        timeout_s: float = 600.0,
+        remove_local_tier: bool | None = None,
+    ) -> None:
+        """Stops listening, finishes in-flight persists, then unlinks this job's segments and
+        removes its local tier on this node (``remove_local_tier``; default: with the
+        segments)."""
         with self._lock:
             if self._closed:
                 return
@@ -206,6 +229,14 @@ class SaverHost:
         if remove_segments:
             removed = unlink_segments(self.shm_dir, self.prefix)
             logger.info("checkpoint segments_removed count=%d prefix=%s", len(removed), self.prefix)
+        remove_tier = remove_segments if remove_local_tier is None else remove_local_tier
+        if remove_tier and self.local_dir:  # the job's end: its local tier goes
+            remove_job_tier(self.local_dir, self.job_id, self.node_name)
+
+    def has_local_tier(self) -> bool:
+        """Whether this job has steps in the node-local tier (kept, like segments, for a
+        requeued run on this node)."""
+        return job_tier_exists(self.local_dir, self.job_id, self.node_name)
 
     # ------------------------------------------------------------------------ serving
     def _flush_loop(self) -> None:

@@ -73,11 +73,17 @@ def file_path(step_path: str, name: str) -> str:
 
 
 def persist_part(
-    storage: Storage, buf: Any, header: Header, *, fault: FaultHook = _no_fault
+    storage: Storage,
+    buf: Any,
+    header: Header,
+    *,
+    fault: FaultHook = _no_fault,
+    step_path: str | None = None,
 ) -> int:
-    """Writes the part held in segment buffer `buf`; returns the number of bytes written."""
+    """Writes the part held in segment buffer `buf` (to `step_path`, else to the step path
+    its meta names); returns the number of bytes written."""
     meta = header.meta
-    step_path = storage.path(str(meta["path"]))
+    step_path = step_path or storage.path(str(meta["path"]))
     image = memoryview(buf)[HEADER_SIZE : HEADER_SIZE + header.image_len]
     crc_ranges = meta.get("crc", [])
     total = 0

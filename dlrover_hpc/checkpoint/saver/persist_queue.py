@@ -30,6 +30,7 @@ from dlrover_hpc.checkpoint.saver.segments import Header, Segment
 from dlrover_hpc.checkpoint.saver.space import check_space
 from dlrover_hpc.checkpoint.saver.stalls import StallWatch
 from dlrover_hpc.checkpoint.saver.storage import Storage, _no_fault
+from dlrover_hpc.checkpoint.saver.tier_writer import TierWriter
 from dlrover_hpc.errors import CheckpointError
 from dlrover_hpc.events import EventName
 
@@ -73,8 +74,11 @@ class SaverCore:
         io_threads: int = 4,
         fault: FaultHook | None = None,
         drop_cache: bool = True,
+        tiers: TierWriter | None = None,
     ) -> None:
+        """``tiers``: the node-local tier (``--local-ckpt-dir``) each step goes to first."""
         self._commit = commit
+        self.tiers = tiers
         self._events = events
         self._node = node_name
         self._io_threads = io_threads
@@ -323,6 +327,8 @@ class SaverCore:
             )
             cdir.uncommit(info.step)
             existing = None
+        if existing is None:
+            self._write_local_tier(storage, batch)
         done: list[int] = []
         nbytes = 0
         for req in batch:
@@ -402,6 +408,17 @@ class SaverCore:
                 node=self._node,
                 path=info.path,
             )
+
+    def _write_local_tier(self, storage: Storage, batch: list[_Request]) -> None:
+        """The parts not yet durable go to the node-local tier first (`tier_writer`): a
+        failure there is reported, and the step goes to the shared directory all the same."""
+        if self.tiers is None:
+            return
+        parts = [(r.header, r.info, r.segment.mm) for r in batch if not self._is_durable(r.info)]
+        try:
+            self.tiers.write(storage, parts)
+        except Exception:  # the local tier is an extra: it never costs the shared persist
+            logger.exception("checkpoint local_tier_error step=%d", batch[0].info.step)
 
     def _is_durable(self, info: PartInfo) -> bool:
         with self._cond:

@@ -44,6 +44,7 @@ from dlrover_hpc.checkpoint.trainer.restore_agreement import (
 from dlrover_hpc.checkpoint.trainer.restore_check import RestoreCheck, Validate
 from dlrover_hpc.checkpoint.trainer.restored_state import StepBytes
 from dlrover_hpc.checkpoint.trainer.saver_connection import SaverLink
+from dlrover_hpc.checkpoint.trainer.tiered_restore import prepare_tiered
 from dlrover_hpc.errors import CheckpointError, RestoreRejectedError
 from dlrover_hpc.events import EventName
 from dlrover_hpc.worker import progress
@@ -92,7 +93,7 @@ class CheckpointerBase:
             keep_interval=keep_interval,
             replicas=replicas,
         )
-        #: (step, "memory" | "peer" | "storage") of the last successful load_checkpoint()
+        #: (step, "memory" | "peer" | "storage" | "local") of the last successful load_checkpoint()
         self.last_restored: tuple[int, str] | None = None
         self._stopping: tuple[int, float] | None = None  # (step, deadline) of a stop save
 
@@ -194,13 +195,15 @@ class CheckpointerBase:
         choice = plan_restore(ranks)
         engine.set_token(choice.token)
 
+        local_reads: set[int] = set()  # the storage steps this rank read from its local tier
+
         def prepare(source: Source, step: int, plan: Choice) -> Load:
             if source != Source.STORAGE:
                 return self._prepare_memory(agreement, plan, held, from_memory)
             record = records.get(step)
             if record is None:
                 raise CheckpointError(f"no commit record for step {step} on this rank")
-            return from_storage(record)
+            return prepare_tiered(engine, record, from_storage, local_reads)
 
         rejections: list[Rejection] = []
         try:
@@ -224,6 +227,8 @@ class CheckpointerBase:
             engine.set_token(rollback_token(choice.token, step))
             gone = {r.step for r in rejections}
             records = {s: r for s, r in records.items() if s not in gone}  # storage's now
+        if source == Source.STORAGE and step in local_reads:
+            source = Source.LOCAL
         if source == Source.MEMORY:
             restored = held[(step, plan.save, *engine.need)]
             restored_buffer(engine, restored)

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from dlrover_hpc.checkpoint.api import EventSink, PartKind, StorageType
-from dlrover_hpc.checkpoint.env import WorkerEnv, segment_name
+from dlrover_hpc.checkpoint.env import WorkerEnv, local_ckpt_dir, segment_name
 from dlrover_hpc.checkpoint.event_sinks import JsonlEventSink
 from dlrover_hpc.checkpoint.saver.commit_records import CheckpointDir
+from dlrover_hpc.checkpoint.saver.local_tier import LocalTier
 from dlrover_hpc.checkpoint.saver.replicas import MAX_REPLICAS
 from dlrover_hpc.checkpoint.saver.segments import Header, Segment, list_segments
 from dlrover_hpc.checkpoint.saver.storage import Storage
@@ -93,6 +94,18 @@ class Engine:
         self.copier = Copier(copy_threads)
         self.storage = Storage(checkpoint_dir, threads=io_threads)
         self.cdir = CheckpointDir(checkpoint_dir, self.storage)
+        local_dir = local_ckpt_dir()
+        #: the node-local tier (--local-ckpt-dir) a restore reads a step from first
+        self.local_tier = (
+            LocalTier(
+                local_dir,
+                shared_root=self.cdir.root,
+                job=self.env.job_id,
+                node=self.env.node_name,
+            )
+            if local_dir and self.storage.local
+            else None
+        )
         self.pinner = HostPinner()
         self.buffers = SegmentPair(
             self.segment_path,

@@ -77,6 +77,8 @@ class Source(enum.Enum):
     #: another rank's shared memory, sent over the process group
     PEER = "peer"
     STORAGE = "storage"
+    #: its node's local tier (--local-ckpt-dir): the agreed storage step, read from local disk
+    LOCAL = "local"
     NONE = "none"
 
 

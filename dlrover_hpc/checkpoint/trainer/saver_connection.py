@@ -13,9 +13,16 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 from dlrover_hpc.checkpoint.api import CommitCoordinator, EventSink, FaultHook
-from dlrover_hpc.checkpoint.env import ENV_SAVER_SOCKET, SEGMENT_PREFIX, WorkerEnv, safe_component
+from dlrover_hpc.checkpoint.env import (
+    ENV_SAVER_SOCKET,
+    SEGMENT_PREFIX,
+    WorkerEnv,
+    local_ckpt_dir,
+    safe_component,
+)
 from dlrover_hpc.checkpoint.saver.commits import CommitCounter, StoreCommitCoordinator
 from dlrover_hpc.checkpoint.saver.persist_queue import SaverCore
+from dlrover_hpc.checkpoint.saver.tier_writer import TierWriter
 from dlrover_hpc.checkpoint.saver.worker_protocol import (
     MAX_TIMEOUT_S,
     Hello,
@@ -153,12 +160,16 @@ class InProcessSaver:
             else:
                 commit = CommitCounter()
         self.commit = commit
+        local_dir = local_ckpt_dir()
         self.core = SaverCore(
             commit=commit,
             events=events,
             node_name=env.node_name,
             io_threads=io_threads,
             fault=fault,
+            tiers=TierWriter(local_dir, job=env.job_id, events=events, node_name=env.node_name)
+            if local_dir
+            else None,
         )
         self.core.start()
         self._closed = False
