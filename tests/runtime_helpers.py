@@ -99,9 +99,9 @@ def job_fields(job: str) -> dict[str, str]:
 
 
 def wait_job(job: str, *, timeout_s: float) -> dict[str, str]:
-    def ended() -> dict[str, str] | None:
+    def ended() -> dict[str, str]:
         f = job_fields(job)
-        return f if f.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") else None
+        return f if f.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") else {}
 
     try:
         return wait_for(ended, timeout_s=timeout_s, what=f"job {job} to end", interval_s=0.5)

@@ -113,13 +113,19 @@ def test_a_requeued_job_restores_from_the_local_tier_and_the_shared_one_where_it
     restored = sorted(
         (e["node"], e["source"], e["step"]) for e in named(evs, "checkpoint_restored")
     )
-    assert restored == sorted([(node0, "local", step), (node1, "storage", step)]), (
+    first = [r for r in restored if r[2] == step]
+    assert first == sorted([(node0, "local", step), (node1, "storage", step)]), (
         restored,
         out[-4000:],
     )
+    # On a loaded machine the second run can reach its time limit too and continue once more:
+    # then both nodes hold that newer step in their tiers and restore it from there.
+    later = [r for r in restored if r[2] != step]
+    assert all(src == "local" and s > step for _, src, s in later), (restored, out[-4000:])
     assert not named(evs, "restore_rejected"), out[-4000:]
     result = json.loads((shared_tmp / "result.json").read_text())
-    assert result["final_step"] == STEPS and result["start_step"] == step, result
+    newest = max(s for _, _, s in restored)
+    assert result["final_step"] == STEPS and result["start_step"] == newest, result
     # The job ended for good: its local tier went with its segments.
     assert not _node_tiers(local, job), list(local.iterdir())
     print(
