@@ -90,6 +90,7 @@ def test_memory_only_saves_become_durable_at_the_interval_auto_chooses(
     # never much sooner than the interval (the step is asked ahead at a projected step rate,
     # which a loaded machine's steps outrun at times: one gap of 2.2 s for 3.9 s was seen)
     assert all(g >= 0.4 * min(e["interval_s"] for e in chosen) for g in gaps), (gaps, chosen)
+    assert statistics.median(gaps) >= 0.6 * min(e["interval_s"] for e in chosen), (gaps, chosen)
     # about the interval: the step is asked a heartbeat and a second ahead (its own lead)
     assert statistics.median(gaps) <= interval + 6.0, (gaps, interval)
     persisted = {e["step"] for e in named(evs, "checkpoint_persisted") if e.get("committed")}
@@ -112,6 +113,8 @@ def test_a_fixed_persist_interval(local_slurm: LocalSlurm, shared_tmp: Path) -> 
     assert chosen["mode"] == "fixed" and chosen["interval_s"] == 4.0, chosen
     gaps = _gaps(commits)
     assert len(gaps) >= 2, commits
-    assert all(g >= 4.0 * 0.7 for g in gaps), gaps
-    assert statistics.median(gaps) <= 4.0 + 6.0, gaps
+    # generous on a loaded 2-core machine, where the projected step runs early (CI saw gaps
+    # of 1.9 and 2.1 s before 4.2-4.9 s); never a burst of commits, about the interval
+    assert all(g >= 4.0 * 0.4 for g in gaps), gaps
+    assert 4.0 * 0.6 <= statistics.median(gaps) <= 4.0 + 6.0, gaps
     assert report["persist_interval"] == "4.0 s (fixed)", report
