@@ -85,7 +85,6 @@ class SaverCore:
         self._user_fault: FaultHook = fault or _no_fault
         self._drop_cache = drop_cache
         self.stalls = StallWatch(events=events, node=node_name)
-        self.superseded = 0  # queued steps a newer save replaced before they were persisted
         self._cond = threading.Condition()
         self._queue: collections.deque[_Request] = collections.deque()
         self._busy = False
@@ -179,7 +178,7 @@ class SaverCore:
             self._queue.remove(req)
             self._unpin(path)
             self._owed[path] = req
-        self._superseded(req.info, "a newer save")
+        self._superseded(req.info)
         return True
 
     def _settle_owed(self) -> None:
@@ -216,14 +215,12 @@ class SaverCore:
                 path,
             )
 
-    def _superseded(self, info: PartInfo, by: str) -> None:
-        self.superseded += 1
+    def _superseded(self, info: PartInfo) -> None:
         logger.info(
             "checkpoint superseded step=%d path=%s: it waited for storage behind another persist "
-            "and %s took its buffer; the newest step is persisted in its place",
+            "and a newer save took its buffer; the newest step is persisted in its place",
             info.step,
             info.path,
-            by,
         )
         if self._events is not None:
             self._events.emit(

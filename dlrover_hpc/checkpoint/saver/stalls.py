@@ -41,7 +41,6 @@ class StallWatch:
         self._stalled_mono = 0.0
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.stalls = 0  # stalls reported (tests, benchmarks)
 
     def start(self) -> None:
         with self._lock:
@@ -99,7 +98,6 @@ class StallWatch:
 
     def _stalled(self, quiet: float) -> dict[str, object]:
         self._stalled_at, self._stalled_mono = time.time() - quiet, self._last
-        self.stalls += 1
         logger.warning(
             "checkpoint persist_stalled step=%s path=%s seconds=%.1f: storage has not answered "
             "for %.0f s; training goes on (saves use the other shared-memory buffer) and the "
