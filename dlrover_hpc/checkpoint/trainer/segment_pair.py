@@ -106,8 +106,6 @@ class SegmentPair:
         t0 = time.perf_counter()
         released = self._release is None
         while True:
-            if not released and all(self.segments[b] is not None for b in order):
-                released = self._release_queued(order)
             for buffer in order:
                 seg = self.segment(buffer)
                 if seg.try_lock(exclusive=True):
@@ -123,6 +121,9 @@ class SegmentPair:
                     if device is not None:
                         self._pinner.pin(seg, device)
                     return seg, waited
+            if not released:  # both pinned: one persisting, one queued behind it
+                released = self._release_queued(order)
+                continue
             if time.perf_counter() - t0 > self.max_wait_s:
                 raise CheckpointError(
                     f"both shared-memory buffers stayed pinned by the saver for "
@@ -131,14 +132,9 @@ class SegmentPair:
             time.sleep(0.005)  # the saver unpins a buffer when its persist ends
 
     def _release_queued(self, order: list[int]) -> bool:
-        """Both buffers locked by the saver: asks it to let go of the queued one (after one
-        more look, the persist in flight may have just ended); True once asked."""
+        """Both buffers locked by the saver: asks it to let go of the queued one; True once
+        asked (the next look takes the released buffer)."""
         assert self._release is not None
-        for buffer in order:
-            seg = self.segment(buffer)
-            if seg.try_lock(exclusive=True):
-                seg.unlock()
-                return False  # one is free: no step needs to be superseded
         for buffer in order:
             if self._release(self.segment(buffer).path):
                 return True
