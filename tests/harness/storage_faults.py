@@ -23,12 +23,13 @@ from typing import Any
 from runtime_helpers import TRAIN, events, named, sbatch, timing_log, wait_job
 
 from dlrover_hpc.localslurm import wait_for
-from harness.fileserver import FileServer
+from harness.fileserver import FileServer, FileServerError
 
 FLASH = TRAIN.parent / "train_flash_ckpt.py"
 STEP_TIME_S = 0.1
 BALLAST_MIB = 16  # the checkpoint's size, about: the model is tiny
 SAVE_EVERY, PERSIST_EVERY = 2, 4  # a DISK save every 4 steps (0.4 s), memory every 2
+JOB_NODES = ("node1", "node2")
 
 
 class StorageFault(enum.StrEnum):
@@ -61,12 +62,16 @@ def _heal(fs: FileServer, kind: StorageFault) -> None:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Window:
-    """One fault as injected: from ``begin`` to ``end`` (wall time), when training was at
-    ``step_at_end`` (the newest step once it cleared) and when that step became durable."""
+    """One fault as injected: from ``begin`` to ``end`` (wall time), when the nodes' mounts
+    answered again (a network file system's client can take longer than the fault: sshfs over
+    a link that came back once hung 130 s on a loaded machine), when training was at
+    ``step_at_end`` (the newest step once the mounts answered) and when that step became
+    durable."""
 
     kind: StorageFault
     begin: float
     end: float
+    answered_at: float  # when every job node's mount took a small write again, after ``end``
     step_at_end: int
     durable_at: float | None  # None: never within the wait
 
@@ -78,13 +83,14 @@ class FaultOutcome:
     steps_lost: int  # steps trained again (a rollback) from the fault's start to the next's
     longest_gap_s: float  # between two consecutive steps, the fault and its recovery
     rate_ratio: float  # steps per second during the fault / in the same time before it
-    durable_after_s: float | None  # fault cleared -> the step trained then committed
+    durable_after_s: float | None  # mounts answer again -> the step trained then committed
+    answered_after_s: float  # fault cleared -> every job node's mount answers again
     stalled_events: int  # persist_stalled events during the fault and its recovery
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["kind"] = str(self.kind)
-        for key in ("held_s", "longest_gap_s", "rate_ratio", "durable_after_s"):
+        for key in ("held_s", "longest_gap_s", "rate_ratio", "durable_after_s", "answered_after_s"):
             if out[key] is not None:
                 out[key] = round(out[key], 2)
         return out
@@ -127,11 +133,13 @@ def run_matrix(
     hold_s: Callable[[StorageFault], float],
     warmup_steps: int = 60,
     settle_s: float = 30.0,
+    answer_s: float = 240.0,
     job_timeout_s: float = 300.0,
 ) -> MatrixRun:
     """One 2-node job (one rank per node) checkpointing into ``fs``'s mount; each of
-    ``kinds`` in turn: injected, held ``hold_s(kind)`` seconds, cleared, then waited on until
-    the step trained at that moment is committed on the export (up to ``settle_s``)."""
+    ``kinds`` in turn: injected, held ``hold_s(kind)`` seconds, cleared, waited on until every
+    job node's mount takes a small write again (up to ``answer_s``), then until the step
+    trained at that moment is committed on the export (up to ``settle_s``)."""
     ckpt_export = fs.export / "ckpt"
     ckpt_export.mkdir(exist_ok=True)
     until = work / "stop-training"
@@ -150,7 +158,7 @@ def run_matrix(
         f"--ckpt-dir={fs.mount_point / 'ckpt'}",
         f"--timing-log={work / 'timing.log'}",
         f"--result={work / 'result.json'}",
-        extra=("-w", "node[1-2]"),
+        extra=("-w", ",".join(JOB_NODES)),
     )
     windows: list[Window] = []
     polls: list[tuple[float, int | None]] = []
@@ -177,10 +185,18 @@ def run_matrix(
             finally:
                 _heal(fs, kind)
             end = time.time()
+            answered = _answered(fs, JOB_NODES, answer_s)
             step = _trained(work)
             durable = _wait_durable(ckpt_export, step, settle_s)
             windows.append(
-                Window(kind=kind, begin=begin, end=end, step_at_end=step, durable_at=durable)
+                Window(
+                    kind=kind,
+                    begin=begin,
+                    end=end,
+                    answered_at=answered,
+                    step_at_end=step,
+                    durable_at=durable,
+                )
             )
             time.sleep(2.0)  # steps after it, before the next one begins
         until.write_text("stop")
@@ -203,6 +219,42 @@ def run_matrix(
         export_step=newest_committed(ckpt_export),
         outcomes=analyze(windows, timing, evs),
     )
+
+
+def _answered(fs: FileServer, nodes: Sequence[str], timeout_s: float) -> float:
+    """When each of ``nodes``' mounts took a small write with fsync again (the client's own
+    recovery, whatever the job's saver does): the latest of them.  Raises when one did not
+    within ``timeout_s``: the file system, not the job, is then what failed."""
+    done: dict[str, float] = {}
+    errors: dict[str, str] = {}
+
+    def probe(node: str) -> None:
+        target = fs.mount_point / f".answers-{node}"
+        argv = ["dd", "if=/dev/zero", f"of={target}", "bs=4k", "count=1", "conv=fsync"]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            left = max(1.0, deadline - time.monotonic())
+            try:
+                fs.node_exec(node, argv, timeout_s=left)
+            except FileServerError as exc:  # EIO while a client reconnects: again
+                errors[node] = str(exc)
+                time.sleep(0.2)
+                continue
+            done[node] = time.time()
+            return
+
+    threads = [threading.Thread(target=probe, args=(n,), daemon=True) for n in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 35.0)
+    missing = [n for n in nodes if n not in done]
+    if missing:
+        raise FileServerError(
+            f"the {fs.kind} mount of {', '.join(missing)} took no write for {timeout_s} s "
+            f"after the fault cleared: {errors}"
+        )
+    return max(done.values())
 
 
 def _trained(work: Path) -> int:
@@ -234,7 +286,7 @@ def analyze(
     out: list[FaultOutcome] = []
     for i, w in enumerate(windows):
         until = windows[i + 1].begin if i + 1 < len(windows) else float("inf")
-        recovered = min(until, w.durable_at or w.end + 30.0)
+        recovered = min(until, w.durable_at or w.answered_at + 30.0)
         span = [(t, s) for t, s in timing if w.begin <= t <= recovered]
         before = [(t, s) for t, s in timing if t < w.begin]
         # the gap that spans the fault's start counts too: the step before it, then the next
@@ -263,7 +315,8 @@ def analyze(
                 steps_lost=steps_lost - sum(o.steps_lost for o in out),
                 longest_gap_s=max(gaps, default=0.0),
                 rate_ratio=during / earlier_rate if earlier_rate else 0.0,
-                durable_after_s=None if w.durable_at is None else w.durable_at - w.end,
+                durable_after_s=None if w.durable_at is None else w.durable_at - w.answered_at,
+                answered_after_s=w.answered_at - w.end,
                 stalled_events=len(stalled),
             )
         )

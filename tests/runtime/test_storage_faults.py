@@ -4,8 +4,10 @@ over TCP; NFS where the kernel has a client), and the server stalls, fills, goes
 restarts or loses its link while a 2-node job saves 16 MiB to DISK every 4 steps of 0.1 s.
 
 In each fault training goes on and nothing is lost: no step is trained twice, no gap between
-two steps is over 3 s, the step trained when the fault clears is committed on the export soon
-after, and the job's verdict names the newest durable step (its last).
+two steps is over 3 s, the step trained once the nodes' mounts answer again after the fault is
+committed on the export soon after, and the job's verdict names the newest durable step (its
+last).  "Answer again" is the file system client's own recovery, measured apart (a small write
+from each node): on a loaded machine sshfs once hung 130 s over a link that had come back.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ pytestmark = pytest.mark.slurm
 MAX_GAP_S = 3.0  # the issue's bound: training never waits for storage
 STALL_S = 40.0
 HOLD_S = 6.0  # the other faults: long enough for a few persists to meet them
-DURABLE_S = 20.0  # fault cleared -> the step trained then committed (generous: 2 loaded cores)
+DURABLE_S = 20.0  # mounts answer again -> the step trained then committed (2 loaded cores)
 
 
 def _server(kind: str, cluster: LocalSlurm, tmp: Path, shared: Path) -> Iterator[FileServer]:
