@@ -96,7 +96,9 @@ def test_survivors_keep_their_processes_through_a_worker_kill_and_a_node_loss(
             elif now == order[-1] and started["time"] > ended:
                 assert len(order) == 4, (now, started)  # only the replacement's round
             else:  # a survivor keeps its processes
-                assert started["in_process"], (now, started)
+                # (when not: the agent's log says why, e.g. "did not leave ... in-process")
+                why = [ln for ln in out.splitlines() if "in-process" in ln and node in ln]
+                assert started["in_process"], (now, started, why[-6:])
                 assert started["pids"] == rounds[before][node]["pids"], (now, node)
     if len(order) == 4:
         assert set(rounds[order[3]]) == {"node1", "node2", "node4"}
