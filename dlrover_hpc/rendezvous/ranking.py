@@ -48,3 +48,17 @@ def rank_nodes(nodes: Sequence[RankInput], topology: topo.Topology | None) -> li
         )
     # Several agents on one host (tests, bare metal): keep them together, by agent id.
     return [r for name in ordered for r in sorted(by_name[name], key=lambda r: r.agent_id)]
+
+
+def block_places(
+    nodes: Sequence[RankInput], topology: topo.Topology | None
+) -> dict[str, tuple[str, int]]:
+    """agent id -> (its node's block, its place in rank order), for segments.
+
+    A block is a block of a block topology or a leaf switch of a tree; a node the topology
+    does not name, and every node where there is no topology file, is in block "".
+    """
+    block_of = topology.leaf_of() if topology is not None else {}
+    return {
+        r.agent_id: (block_of.get(r.node, ""), i) for i, r in enumerate(rank_nodes(nodes, topology))
+    }
