@@ -42,6 +42,7 @@ from dlrover_hpc.master.phases import (
 from dlrover_hpc.master.relaunch_plan import RelaunchBook
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.rendezvous.ranking import block_places, rank_nodes
+from dlrover_hpc.rendezvous.segments import Candidate, segment_capacity
 from dlrover_hpc.rendezvous.state import (
     DecisionKind,
     RdzvParams,
@@ -345,6 +346,18 @@ class Job:
         log.warning("node benched node=%s reason=%s", node, reason)
         self.apply(d.excluded(self.phase, node, reason, was_active, how="benched"))
 
+    def _segment_gain(self, waiting: list[NodeRecord]) -> int:
+        """How many more nodes whole segments of the running round's and the waiting nodes
+        hold than the round has (0: the waiting nodes complete no segment)."""
+        running = self.participants()
+        ids = {n.agent_id for n in running}
+        places = block_places([rank_input(n) for n in [*running, *waiting]], self._topology)
+        candidates = [
+            Candidate(agent_id=a, block=block, order=order, was_active=a in ids)
+            for a, (block, order) in places.items()
+        ]
+        return max(0, segment_capacity(candidates, self.params.segment) - len(running))
+
     def _scale_up(self) -> float | None:
         """Take in nodes waiting while the round runs below MAX: at the next checkpoint (every
         rank saved a step newer than the newest one when they came, or one was committed), so
@@ -352,7 +365,10 @@ class Job:
         or with ``--scale-up-wait=0``; at the latest after ``--scale-up-wait``.  A fault
         meanwhile re-forms the round with them: one restart for both.  Returns when to look
         again."""
-        actions = d.scale_up(self.participants(), len(self._waiting()), self.params)
+        ready = len(waiting := self._waiting())
+        if self.params.segment > 1 and ready:  # only nodes that complete segments can come in
+            ready = self._segment_gain(waiting)
+        actions = d.scale_up(self.participants(), ready, self.params)
         if not actions:
             self._scale_up_wait = None
             return None

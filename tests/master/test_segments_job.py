@@ -57,3 +57,23 @@ def test_segments_follow_blocks_spares_by_block_and_the_segment_moves(tmp_path: 
         assert set(states.values()) == {NodeState.ACTIVE}
 
     run(body)
+
+
+def test_a_spare_that_completes_no_segment_does_not_scale_the_round_up(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:4", topology=BLOCKS, segment=2, scale_up_wait_s=0.0)
+        running = h.start("n1", "n2")
+        assert h.events("rendezvous_complete")[-1]["nodes"] == ["n1", "n2"]
+        for node in ("n3", "n4"):  # b1's odd node and a lone b2 node: no new segment
+            h.wait(h.join(node))
+        h.settle(5.0)
+        assert h.job.round == 1 and h.job.phase is Phase.RUNNING
+        h.wait(h.join("n5"))  # b2 now holds a segment: the round grows by it
+        h.settle()
+        assert h.job.phase is Phase.RENDEZVOUS
+        h.rejoin(running)
+        h.settle()
+        assert h.job.round == 2 and h.job.phase is Phase.RUNNING
+        assert h.events("rendezvous_complete")[-1]["nodes"] == ["n1", "n2", "n4", "n5"]
+
+    run(body)
