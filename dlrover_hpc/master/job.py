@@ -41,8 +41,7 @@ from dlrover_hpc.master.phases import (
 )
 from dlrover_hpc.master.relaunch_plan import RelaunchBook
 from dlrover_hpc.protocol import messages as m
-from dlrover_hpc.rendezvous.ranking import block_places, rank_nodes
-from dlrover_hpc.rendezvous.segments import Candidate, segment_capacity
+from dlrover_hpc.rendezvous.ranking import block_places, rank_nodes, segment_gain
 from dlrover_hpc.rendezvous.state import (
     DecisionKind,
     RdzvParams,
@@ -346,18 +345,6 @@ class Job:
         log.warning("node benched node=%s reason=%s", node, reason)
         self.apply(d.excluded(self.phase, node, reason, was_active, how="benched"))
 
-    def _segment_gain(self, waiting: list[NodeRecord]) -> int:
-        """How many more nodes whole segments of the running round's and the waiting nodes
-        hold than the round has (0: the waiting nodes complete no segment)."""
-        running = self.participants()
-        ids = {n.agent_id for n in running}
-        places = block_places([rank_input(n) for n in [*running, *waiting]], self._topology)
-        candidates = [
-            Candidate(agent_id=a, block=block, order=order, was_active=a in ids)
-            for a, (block, order) in places.items()
-        ]
-        return max(0, segment_capacity(candidates, self.params.segment) - len(running))
-
     def _scale_up(self) -> float | None:
         """Take in nodes waiting while the round runs below MAX: at the next checkpoint (every
         rank saved a step newer than the newest one when they came, or one was committed), so
@@ -367,7 +354,9 @@ class Job:
         again."""
         ready = len(waiting := self._waiting())
         if self.params.segment > 1 and ready:  # only nodes that complete segments can come in
-            ready = self._segment_gain(waiting)
+            running = [rank_input(n) for n in self.participants()]
+            new = [rank_input(n) for n in waiting]
+            ready = segment_gain(running, new, self._topology, self.params.segment)
         actions = d.scale_up(self.participants(), ready, self.params)
         if not actions:
             self._scale_up_wait = None
@@ -653,7 +642,12 @@ class Job:
             block_of = self._topology.leaf_of() if self._topology is not None else {}
             blocks = [block_of.get(name, "") for name in names]
             segments = {"segment": self.params.segment, "blocks": blocks}
-            log.info("segments round=%d size=%d blocks=%s", self.round, len(blocks), blocks)
+            log.info(
+                "segments round=%d segment=%d blocks=%s",
+                self.round,
+                self.params.segment,
+                ",".join(blocks),
+            )
         self.emit(
             EventName.RENDEZVOUS_COMPLETE,
             round=self.round,

@@ -7,7 +7,7 @@ import pytest
 from dlrover_hpc import topology as topo
 from dlrover_hpc.config import NodeRange, check_segment
 from dlrover_hpc.errors import ConfigError
-from dlrover_hpc.rendezvous.ranking import RankInput, block_places
+from dlrover_hpc.rendezvous.ranking import RankInput, block_places, segment_gain
 from dlrover_hpc.rendezvous.segments import (
     Candidate,
     choose_segments,
@@ -154,3 +154,19 @@ def test_check_segment(segment: int, unit: int, nnodes: str, error: str | None) 
     with pytest.raises(ConfigError) as info:
         check_segment(segment, unit, NodeRange.parse(nnodes))
     assert str(info.value).startswith(error)
+
+
+@pytest.mark.parametrize(
+    ("running", "waiting", "size", "gain"),
+    [
+        ("n1 n2", "n3 n5", 2, 0),  # b1's odd node and a lone b2 node: no new segment
+        ("n1 n2", "n3 n5 n6", 2, 2),  # b2 now holds one
+        ("n1 n2", "n3 n4", 2, 2),  # b1 grows by a segment of its own
+        ("n1 n2 n3 n4", "n5 n6 n7", 4, 0),  # segments of 4: b2 is one node short
+    ],
+)
+def test_segment_gain(running: str, waiting: str, size: int, gain: int) -> None:
+    def inputs(spec: str) -> list[RankInput]:
+        return [RankInput(agent_id=n, node=n) for n in spec.split()]
+
+    assert segment_gain(inputs(running), inputs(waiting), BLOCKS, size) == gain
