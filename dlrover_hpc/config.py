@@ -89,6 +89,7 @@ class MasterConfig:
     port: int = settings.PORT.default
     nnodes: NodeRange = settings.NNODES.default
     node_unit: int = settings.NODE_UNIT.default
+    segment: int = settings.SEGMENT.default
     topology: str | None = settings.TOPOLOGY.default
     drain: DrainMode = settings.DRAIN.default
     job_dir: str = ".dlrover-hpc"
@@ -176,6 +177,7 @@ class MasterConfig:
                 f"--node-unit={self.node_unit} is larger than the maximum node count "
                 f"{self.nnodes.max}; lower --node-unit or raise --nnodes"
             )
+        check_segment(self.segment, self.node_unit, self.nnodes)
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts={self.max_restarts}: must be 0 or more")
         if self.heartbeat_interval_s >= self.heartbeat_timeout_s:
@@ -266,6 +268,9 @@ class RunConfig:
     #: an in-process master's --persist-every and --node-mtbf (copied by embedded_master_config)
     persist_every_s: float = settings.PERSIST_EVERY.default
     node_mtbf_s: float = settings.NODE_MTBF.default
+    #: --segment: node ranks in groups of N nodes inside one block (copied by
+    #: embedded_master_config)
+    segment: int = settings.SEGMENT.default
 
     def __post_init__(self) -> None:
         nnodes = self.nnodes
@@ -294,6 +299,7 @@ class RunConfig:
                 f"--nnodes={nnodes} with --node-unit={self.node_unit}: no multiple of "
                 f"{self.node_unit} lies between {nnodes.min} and {nnodes.max}"
             )
+        check_segment(self.segment, self.node_unit, nnodes)
         if self.nproc_per_node < 1:
             raise ConfigError(
                 f"--nproc-per-node={self.nproc_per_node}: needs at least 1 worker per node"
@@ -328,6 +334,20 @@ class RunConfig:
                 f"the master's connection drops) or more seconds, e.g. "
                 f"--reconnect-timeout={DEFAULT_RECONNECT_TIMEOUT_S:g}"
             )
+
+
+def check_segment(segment: int, node_unit: int, nnodes: NodeRange) -> None:
+    """``--segment``: at least 1, and a multiple of it (and of ``--node-unit``) fits MIN:MAX."""
+    if segment < 1:
+        raise ConfigError(f"--segment={segment}: must be at least 1 (1: no segments)")
+    unit = math.lcm(segment, node_unit)
+    if nnodes.max // unit * unit < nnodes.min:
+        also = f" and --node-unit={node_unit}" if node_unit > 1 else ""
+        raise ConfigError(
+            f"--segment={segment}{also} with --nnodes={nnodes}: no multiple of {unit} lies"
+            f" between {nnodes.min} and {nnodes.max}; pick a --segment that divides a node count"
+            " in that range"
+        )
 
 
 def embedded_master_config(

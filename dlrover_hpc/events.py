@@ -15,7 +15,8 @@ from enum import StrEnum
 class EventName(StrEnum):
     # The job's life (master).
     JOB_STARTED = "job_started"  # a master started (resumed_round: from the journal)
-    RENDEZVOUS_COMPLETE = "rendezvous_complete"  # a round formed (round, nodes in rank order)
+    #: a round formed (round, nodes in rank order; with --segment: segment, each node's block)
+    RENDEZVOUS_COMPLETE = "rendezvous_complete"
     WORKERS_STARTED = "workers_started"  # a node started its workers (pids, in_process)
     WORKER_FAILED = "worker_failed"  # a worker died (exit code or signal, classification)
     WORKERS_RESTARTED = "workers_restarted"  # the job restarted its workers (restart count)

@@ -192,6 +192,18 @@ NODE_UNIT = Setting(
         Command.MASTER: "admit nodes only in multiples of N",
     },
 )
+SEGMENT = Setting(
+    key="segment",
+    flags=("--segment",),
+    kind=Kind.INT,
+    default=1,
+    help={
+        Command.RUN: "node ranks in groups of N nodes, each group inside one block of the"
+        " topology (Slurm's --segment; default 1: off)",
+        Command.MASTER: "node ranks in groups of N nodes, each inside one block of --topology;"
+        " rounds admit whole segments and a spare replaces a lost node within its block",
+    },
+)
 MAX_RESTARTS = Setting(
     key="max_restarts",
     flags=_torchrun("max-restarts"),
@@ -733,7 +745,7 @@ TOPOLOGY: Setting[str | None] = Setting(
     key="topology",
     flags=("--topology",),
     default=None,
-    help="switch topology file (Slurm topology.conf or ASW PSW HOST list)",
+    help="switch topology file (Slurm topology.conf, block.conf or ASW PSW HOST list)",
 )
 DRAIN = Setting(
     key="drain",
@@ -890,14 +902,14 @@ _RUN = (
     RUN_PATH, LOG_DIR, REDIRECTS, TEE, LOCAL_RANKS_FILTER, DUPLICATE_STDOUT_FILTERS,
     DUPLICATE_STDERR_FILTERS, NODE_RANK, MASTER_ADDR, MASTER_PORT, LOCAL_ADDR, LOGS_SPECS,
     NUMA_BINDING, SIGNALS_TO_HANDLE, SHUTDOWN_TIMEOUT, VIRTUAL_LOCAL_RANK,
-    MASTER, NETWORK_CHECK, EXCLUDE_STRAGGLER, NODE_UNIT, LINK_TIMEOUT, RECONNECT_TIMEOUT,
+    MASTER, NETWORK_CHECK, EXCLUDE_STRAGGLER, NODE_UNIT, SEGMENT, LINK_TIMEOUT, RECONNECT_TIMEOUT,
     HANG_TIMEOUT, STRAGGLER_FACTOR, REQUEUE_BY, *OFF_SWITCHES, TRANSPARENT, JOB_DIR, CONFIG,
     HEALTH_CHECK, HEALTH_CHECK_TIMEOUT, CRASH_LOOP_ROUNDS, PERSIST_EVERY, NODE_MTBF,
     LOCAL_CKPT_DIR,
 )  # fmt: skip
 _MASTER = (
-    HOST, PORT, NNODES, NODE_UNIT, TOPOLOGY, DRAIN, JOB_DIR, MAX_RESTARTS, HEARTBEAT_TIMEOUT,
-    LINK_TIMEOUT, LAST_CALL, SCALE_UP_WAIT, NETCHECK_TIMEOUT, REPLACEMENT_SBATCH,
+    HOST, PORT, NNODES, NODE_UNIT, SEGMENT, TOPOLOGY, DRAIN, JOB_DIR, MAX_RESTARTS,
+    HEARTBEAT_TIMEOUT, LINK_TIMEOUT, LAST_CALL, SCALE_UP_WAIT, NETCHECK_TIMEOUT, REPLACEMENT_SBATCH,
     MIN_NODES_TIMEOUT, MASTER_HANG_TIMEOUT, METRICS_PORT, REQUEUE, MAX_CONTINUATIONS,
     STOP_LEAD, REQUEUE_BY, CRASH_LOOP_ROUNDS, PERSIST_EVERY, NODE_MTBF, CONFIG,
 )  # fmt: skip

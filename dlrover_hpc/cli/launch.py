@@ -145,6 +145,7 @@ def parse_run_args(tokens: Sequence[str]) -> RunArgs:
         max_restarts=int(args.max_restarts),
         node_unit=int(args.node_unit),
         job_dir=args.job_dir,
+        segment=int(args.segment),
     )
 
 

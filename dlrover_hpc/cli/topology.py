@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import hostlist
 
 from dlrover_hpc.errors import SlurmError, UsageError
+from dlrover_hpc.topology.blocks import block_losses
 from dlrover_hpc.topology.edit import (
     EditResult,
     Operation,
@@ -39,18 +40,27 @@ from dlrover_hpc.topology.switch_list import switch_list_rows
 from dlrover_hpc.topology.view import render_tree
 
 _PROG = "dlrover-hpc"
-_FORMATS = {"slurm": TopologyFormat.SLURM, "switch-list": TopologyFormat.SWITCH_LIST}
+_FORMATS = {
+    "slurm": TopologyFormat.SLURM,
+    "block": TopologyFormat.BLOCK,
+    "switch-list": TopologyFormat.SWITCH_LIST,
+}
 _FILE_HELP = (
-    "topology file: a Slurm topology.conf (tree plugin), an 'ASW PSW HOST' switch list or"
-    " saved `scontrol show topology` output; the format is detected"
+    "topology file: a Slurm topology.conf (tree plugin), a block.conf (block plugin), an"
+    " 'ASW PSW HOST' switch list or saved `scontrol show topology` output; the format is"
+    " detected"
 )
 _DESCRIPTION = """\
-Work with switch-topology files. Two formats are read (the format is detected):
+Work with switch-topology files. These formats are read (the format is detected):
   topology.conf (Slurm tree plugin):  SwitchName=leaf0 Nodes=node[1-4]
                                       SwitchName=spine0 Switches=leaf[0-3]
+  block.conf (Slurm block plugin):    BlockName=block1 Nodes=node[1-18]
+                                      BlockSizes=18
   switch list (one node per line):    asw-0 psw-0 node1
-Nodes under one leaf switch get adjacent node ranks, leaves under one upper switch are
-adjacent, names go in natural order (node2 < node10), nodes not in the file go last.
+  saved `scontrol show topology` output of either plugin
+Nodes under one leaf switch (or in one block) get adjacent node ranks, leaves under one upper
+switch are adjacent, blocks and names go in natural order (node2 < node10), nodes not in the
+file go last.
 Examples are in topology/. Bad input exits 2 with FILE:LINE: what is wrong and how to fix it.
 """
 
@@ -105,7 +115,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = verbs.add_parser(
         "convert",
         help="write the topology in another format",
-        description="Write the topology as a topology.conf or a switch list.",
+        description="Write the topology as a topology.conf, a block.conf or a switch list.",
     )
     p.add_argument("file", metavar="FILE", help=_FILE_HELP + "; - reads stdin")
     p.add_argument("--to", required=True, choices=sorted(_FORMATS), help="output format")
@@ -228,12 +238,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(problem, file=sys.stderr)
         return 2
     n_nodes = len(topology.leaf_of())
-    _out(
-        [
-            f"{source}: ok ({topology.format.value}, {len(topology.by_name())} switches,"
-            f" {n_nodes} nodes)"
-        ]
-    )
+    if topology.format.is_block:
+        sizes = ",".join(str(n) for n in topology.block_sizes) or "not given"
+        what = f"{len(topology.by_name())} blocks, {n_nodes} nodes, BlockSizes={sizes}"
+    else:
+        what = f"{len(topology.by_name())} switches, {n_nodes} nodes"
+    _out([f"{source}: ok ({topology.format.value}, {what})"])
     return 0
 
 
@@ -244,7 +254,8 @@ def cmd_order(args: argparse.Namespace) -> int:
     for host in missing:
         _warn(
             f"node '{host}' is not in {topology.source}; it goes last (add it with:"
-            f" {_PROG} topology add-node {topology.source} {host} --switch LEAF)"
+            f" {_PROG} topology add-node {topology.source} {host} --switch"
+            f" {'BLOCK' if topology.format.is_block else 'LEAF'})"
         )
     _out(ordered)
     return 0
@@ -255,6 +266,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     fmt = _FORMATS[args.to]
     if fmt is TopologyFormat.SWITCH_LIST:
         for loss in switch_list_rows(topology)[1]:
+            _warn(loss)
+    if fmt is TopologyFormat.BLOCK:
+        for loss in block_losses(topology):
             _warn(loss)
     text = render(topology, fmt, header=f"Converted from {topology.source} by {_PROG} topology")
     _emit(text, args.output)
@@ -285,7 +299,8 @@ def cmd_from_slurm(args: argparse.Namespace) -> int:
         print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return 1
     header = f"Written by `{_PROG} topology from-slurm` from `{' '.join(SCONTROL_ARGV)}`."
-    _emit(render(topology, TopologyFormat.SLURM, header=header), args.output)
+    fmt = TopologyFormat.BLOCK if topology.format.is_block else TopologyFormat.SLURM
+    _emit(render(topology, fmt, header=header), args.output)
     return 0
 
 

@@ -41,7 +41,7 @@ from dlrover_hpc.master.phases import (
 )
 from dlrover_hpc.master.relaunch_plan import RelaunchBook
 from dlrover_hpc.protocol import messages as m
-from dlrover_hpc.rendezvous.ranking import rank_nodes
+from dlrover_hpc.rendezvous.ranking import block_places, rank_nodes, segment_gain
 from dlrover_hpc.rendezvous.state import (
     DecisionKind,
     RdzvParams,
@@ -86,6 +86,7 @@ class Job:
             min_nodes=config.nnodes.min,
             max_nodes=config.nnodes.max,
             node_unit=config.node_unit,
+            segment=config.segment,
             last_call_s=config.last_call_s,
             timeout_s=config.rendezvous_timeout_s,
         )
@@ -351,7 +352,12 @@ class Job:
         or with ``--scale-up-wait=0``; at the latest after ``--scale-up-wait``.  A fault
         meanwhile re-forms the round with them: one restart for both.  Returns when to look
         again."""
-        actions = d.scale_up(self.participants(), len(self._waiting()), self.params)
+        ready = len(waiting := self._waiting())
+        if self.params.segment > 1 and ready:  # only nodes that complete segments can come in
+            running = [rank_input(n) for n in self.participants()]
+            new = [rank_input(n) for n in waiting]
+            ready = segment_gain(running, new, self._topology, self.params.segment)
+        actions = d.scale_up(self.participants(), ready, self.params)
         if not actions:
             self._scale_up_wait = None
             return None
@@ -548,6 +554,9 @@ class Job:
             )
             return self.apply(d.form_round(decision, params=self.params, needs_netcheck=False))
         ids = {n.agent_id for n in waiting}  # not `n in waiting`: quadratic at 16k nodes
+        places: dict[str, tuple[str, int]] = {}
+        if self.params.segment > 1:  # --segment: whole segments, each inside one block
+            places = block_places([rank_input(n) for n in waiting], self._topology)
         decision = decide(
             params=self.params,
             waiting=[
@@ -555,6 +564,8 @@ class Job:
                     agent_id=n.agent_id,
                     joined_at=n.joined_at,
                     was_active=n.round == self.round and n.rank >= 0,
+                    block=places.get(n.agent_id, ("", 0))[0],
+                    order=places.get(n.agent_id, ("", 0))[1],
                 )
                 for n in waiting
             ],
@@ -626,12 +637,24 @@ class Job:
             members=[resume.member_row(self.nodes[r.agent_id]) for r in ranked],
         )
         log.info("rendezvous complete round=%d nodes=%s", self.round, ",".join(names))
+        segments: dict[str, Any] = {}
+        if self.params.segment > 1:  # each rank's block: a segment's nodes share one
+            block_of = self._topology.leaf_of() if self._topology is not None else {}
+            blocks = [block_of.get(name, "") for name in names]
+            segments = {"segment": self.params.segment, "blocks": blocks}
+            log.info(
+                "segments round=%d segment=%d blocks=%s",
+                self.round,
+                self.params.segment,
+                ",".join(blocks),
+            )
         self.emit(
             EventName.RENDEZVOUS_COMPLETE,
             round=self.round,
             nodes=names,
             world_size=assignments[0].world_size,
             restart_count=restarts,
+            **segments,
         )
         if self.round > 1 and not first_round:
             self.emit(EventName.WORKERS_RESTARTED, round=self.round, restart_count=restarts)

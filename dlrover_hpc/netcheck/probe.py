@@ -3,7 +3,8 @@
 `run_probe` times a matmul on the node's accelerator (CPU when there is no CUDA), then joins its
 group through a `torch.distributed.TCPStore` that group rank 0 hosts, and times an all-reduce of a
 few MiB over gloo (TCP). With CUDA available it also times an NCCL all-reduce, since a TCP check
-proves reachability, not the GPU fabric.
+proves reachability, not the GPU fabric, and first checks the node's own GPU links
+(`netcheck.gpu_links`: each GPU pair and host <-> GPU; a slow link fails the probe).
 
 Every wait has a deadline, but torch's own timeouts overshoot (a TCPStore client retries once
 more after its timeout) and an NCCL collective can block for good. So the supported entry point is
@@ -26,6 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from dlrover_hpc.netcheck import gpu_links
 from dlrover_hpc.netcheck.model import NetcheckError
 from dlrover_hpc.netcheck.result import ProbeResult
 
@@ -90,8 +92,16 @@ def run_probe(
     size = matmul_size or (CUDA_MATMUL_SIZE if cuda else CPU_MATMUL_SIZE)
     step = "matmul"
     timings: dict[str, float] = {}
+    links: tuple[tuple[str, str, float], ...] = ()
     try:
         timings["matmul_s"] = _time_matmul(torch, device=device, size=size)
+        if cuda:  # skipped without GPUs: there are no GPU links to check
+            step = "gpu_links"
+            measured = gpu_links.measure_links(torch)
+            links = tuple((link.src, link.dst, link.gbps) for link in measured)
+            slow = gpu_links.slow_links(measured)
+            if slow:
+                raise NetcheckError(gpu_links.describe_slow(slow))
         step = "store"
         if dist.is_initialized():
             raise NetcheckError("a default process group already exists in this process")
@@ -143,6 +153,7 @@ def run_probe(
             matmul_s=timings.get("matmul_s"),
             collective_s=timings.get("collective_s"),
             nccl_s=timings.get("nccl_s"),
+            gpu_links=links,
         )
     return ProbeResult(
         ok=True,
@@ -151,6 +162,7 @@ def run_probe(
         matmul_s=timings["matmul_s"],
         collective_s=timings["collective_s"],
         nccl_s=timings.get("nccl_s"),
+        gpu_links=links,
     )
 
 
@@ -331,6 +343,12 @@ def _human(result: ProbeResult) -> str:
     parts = [f"matmul {result.matmul_s:.4f} s", f"gloo all-reduce {result.collective_s:.4f} s"]
     if result.nccl_s is not None:
         parts.append(f"nccl all-reduce {result.nccl_s:.4f} s")
+    if result.gpu_links:
+        slowest = min(result.gpu_links, key=lambda row: row[2])
+        parts.append(
+            f"{len(result.gpu_links)} GPU links, slowest {slowest[0]}->{slowest[1]}"
+            f" {slowest[2]:.1f} GB/s"
+        )
     return f"probe ok on {result.device}: " + ", ".join(parts)
 
 

@@ -20,6 +20,8 @@ class ProbeResult:
     device: str = "cpu"
     error: str = ""
     elapsed_s: float = 0.0
+    #: the GPU link check's [src, dst, GB/s] rows (netcheck.gpu_links); () without CUDA
+    gpu_links: tuple[tuple[str, str, float], ...] = ()
 
     @property
     def check_s(self) -> float | None:
@@ -45,4 +47,10 @@ class ProbeResult:
             raise NetcheckError(
                 f"probe output has unknown keys {sorted(unknown)!r} or lacks 'ok': {text[:200]!r}"
             )
+        rows = data.get("gpu_links") or ()
+        if not isinstance(rows, list | tuple) or not all(
+            isinstance(r, list | tuple) and len(r) == 3 for r in rows
+        ):
+            raise NetcheckError(f"probe output's gpu_links is not [src, dst, gbps] rows: {rows!r}")
+        data["gpu_links"] = tuple((str(r[0]), str(r[1]), float(r[2])) for r in rows)
         return cls(**data)

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Sequence
 
 from dlrover_hpc import topology as topo
+from dlrover_hpc.rendezvous.segments import Candidate, segment_capacity
 
 log = logging.getLogger(__name__)
 
@@ -48,3 +49,34 @@ def rank_nodes(nodes: Sequence[RankInput], topology: topo.Topology | None) -> li
         )
     # Several agents on one host (tests, bare metal): keep them together, by agent id.
     return [r for name in ordered for r in sorted(by_name[name], key=lambda r: r.agent_id)]
+
+
+def block_places(
+    nodes: Sequence[RankInput], topology: topo.Topology | None
+) -> dict[str, tuple[str, int]]:
+    """agent id -> (its node's block, its place in rank order), for segments.
+
+    A block is a block of a block topology or a leaf switch of a tree; a node the topology
+    does not name, and every node where there is no topology file, is in block "".
+    """
+    block_of = topology.leaf_of() if topology is not None else {}
+    return {
+        r.agent_id: (block_of.get(r.node, ""), i) for i, r in enumerate(rank_nodes(nodes, topology))
+    }
+
+
+def segment_gain(
+    running: Sequence[RankInput],
+    waiting: Sequence[RankInput],
+    topology: topo.Topology | None,
+    size: int,
+) -> int:
+    """How many more nodes whole segments of ``size`` hold over the running and the waiting
+    nodes than run now (0: the waiting nodes complete no segment, so no scale-up)."""
+    ids = {r.agent_id for r in running}
+    places = block_places([*running, *waiting], topology)
+    candidates = [
+        Candidate(agent_id=a, block=block, order=order, was_active=a in ids)
+        for a, (block, order) in places.items()
+    ]
+    return max(0, segment_capacity(candidates, size) - len(running))

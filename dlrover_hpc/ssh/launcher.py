@@ -108,6 +108,7 @@ class Launcher:
             nnodes=self._nnodes,
             max_restarts=cfg.run.max_restarts,
             node_unit=cfg.run.node_unit,
+            segment=cfg.run.segment,
             job_dir=str(cfg.job_dir),
             job_id=cfg.job_id,
         )

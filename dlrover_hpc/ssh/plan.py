@@ -35,6 +35,7 @@ class RunArgs:
     max_restarts: int
     node_unit: int
     job_dir: str | None
+    segment: int = 1  # --segment: the master forms rounds of whole segments
 
     def agent_argv(
         self, *, program: str, nnodes: NodeRange, nproc: str, master: str, job_dir: str

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dlrover_hpc.errors import TopologyError
+from dlrover_hpc.topology.blocks import check_blocks, format_block_line
 from dlrover_hpc.topology.files import read_text, scan, write_atomic
 from dlrover_hpc.topology.model import (
     ProblemKind,
@@ -126,7 +127,7 @@ def _take_nodes(topology: Topology, current: dict[str, str], verb: str) -> dict[
     for leaf_name in dict.fromkeys(current.values()):
         leaf = by_name[leaf_name]
         kept = tuple(n for n in leaf.nodes if current.get(n) != leaf_name)
-        if not kept:
+        if not kept and not topology.format.is_block:  # an empty block is a placeholder
             raise _fail(
                 topology,
                 f"{verb} would leave switch '{leaf_name}' with no nodes, and an empty switch is"
@@ -172,14 +173,22 @@ def add_switch(
     parent: str | None = None,
     link_speed: int | None = None,
 ) -> EditResult:
-    """Add switch `name` over new `nodes` (a leaf) or existing `switches`, under `parent`."""
+    """Add switch `name` over new `nodes` (a leaf) or existing `switches`, under `parent`.
+
+    In a block file a "switch" is a block: it takes --nodes (or none) and no parent."""
     _check_new_names(topology, [name], "switch")
+    if topology.format.is_block and (switches or parent is not None):
+        raise _fail(
+            topology,
+            f"a block file has blocks only, no switches above them; add block '{name}' with"
+            " --nodes HOSTLIST (no --switches, no --parent)",
+        )
     by_name = topology.by_name()
     if name in by_name:
         raise _fail(
             topology, f"switch '{name}' already exists; pick another name", by_name[name].line
         )
-    if bool(nodes) == bool(switches):
+    if bool(nodes) == bool(switches) and not topology.format.is_block:
         raise _fail(topology, f"give switch '{name}' either --nodes HOSTLIST or --switches NAMES")
     if link_speed is not None and link_speed < 0:
         raise _fail(topology, f"--link-speed {link_speed} is negative; give a whole number >= 0")
@@ -270,12 +279,20 @@ def render_edit(text: str, old: Topology, new: Topology) -> str:
     newline = "\r\n" if "\r\n" in text else "\n"
     if old.format is TopologyFormat.SWITCH_LIST:
         lines = _edit_switch_list(text, old, new)
+    elif old.format is TopologyFormat.BLOCK:
+        lines = _edit_slurm_conf(text, old, new, line_of=format_block_line)
     else:
         lines = _edit_slurm_conf(text, old, new)
     return newline.join(lines) + newline if lines else ""
 
 
-def _edit_slurm_conf(text: str, old: Topology, new: Topology) -> list[str]:
+def _edit_slurm_conf(
+    text: str,
+    old: Topology,
+    new: Topology,
+    *,
+    line_of: Callable[[Switch], str] = format_switch_line,
+) -> list[str]:
     physical = text.splitlines()
     spans = {ll.first: ll for ll in logical_lines(text)}
     new_by_name = new.by_name()
@@ -287,7 +304,7 @@ def _edit_slurm_conf(text: str, old: Topology, new: Topology) -> list[str]:
             plan[ll.first] = ([], ll.last)
         elif not sw.same_content(after):
             comment = f"  {ll.comment}" if ll.comment else ""
-            plan[ll.first] = ([format_switch_line(after) + comment], ll.last)
+            plan[ll.first] = ([line_of(after) + comment], ll.last)
     out: list[str] = []
     number = 1
     while number <= len(physical):
@@ -299,7 +316,7 @@ def _edit_slurm_conf(text: str, old: Topology, new: Topology) -> list[str]:
             out.append(physical[number - 1])
             number += 1
     old_names = old.by_name()
-    out.extend(format_switch_line(sw) for sw in new.switches if sw.name not in old_names)
+    out.extend(line_of(sw) for sw in new.switches if sw.name not in old_names)
     return out
 
 
@@ -360,15 +377,16 @@ def edit_file(
             f"{source}: not edited because the file has problems; fix them first (see"
             f" `dlrover-hpc topology validate {source}`):\n{listing}"
         )
-    if old.format is TopologyFormat.SCONTROL:
+    if old.format in (TopologyFormat.SCONTROL, TopologyFormat.SCONTROL_BLOCK):
+        to = "block" if old.format.is_block else "slurm"
         raise TopologyError(
-            f"{source}: this is saved `scontrol show topology` output; write a topology.conf"
-            f" from it first (convert {source} --to slurm --output FILE) and edit that"
+            f"{source}: this is saved `scontrol show topology` output; write a {to} file"
+            f" from it first (convert {source} --to {to} --output FILE) and edit that"
         )
     result = operation(old)
     if result.topology is old:
         return result
-    new_problems = check(result.topology)
+    new_problems = (check_blocks if old.format.is_block else check)(result.topology)
     if new_problems:
         raise TopologyError("\n".join(str(p) for p in new_problems))
     out = render_edit(text, old, result.topology)

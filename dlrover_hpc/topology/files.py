@@ -10,6 +10,13 @@ import tempfile
 from pathlib import Path
 
 from dlrover_hpc.errors import TopologyError
+from dlrover_hpc.topology.blocks import (
+    BLOCK_KEY,
+    SCONTROL_BLOCK_KEY,
+    parse_scontrol_blocks,
+    render_block_conf,
+    scan_block_conf,
+)
 from dlrover_hpc.topology.model import Problem, Topology, TopologyFormat, TopologyProblems
 from dlrover_hpc.topology.scontrol import parse_scontrol_topology
 from dlrover_hpc.topology.slurm_conf import logical_lines, render_slurm_conf, scan_slurm_conf
@@ -22,10 +29,16 @@ STDIN = "-"
 
 def detect_format(text: str) -> TopologyFormat:
     """SLURM when the first non-comment line is KEY=VALUE or an Include (SCONTROL when it has
-    Level=), SWITCH_LIST otherwise. Text with no content counts as an (empty) topology.conf."""
+    Level=; BLOCK when it starts with BlockName= or BlockSizes=, SCONTROL_BLOCK when it also
+    has BlockIndex=), SWITCH_LIST otherwise. Text with no content counts as an (empty)
+    topology.conf."""
     for ll in logical_lines(text):
         if not ll.text:
             continue
+        if SCONTROL_BLOCK_KEY.match(ll.text):
+            return TopologyFormat.SCONTROL_BLOCK
+        if BLOCK_KEY.match(ll.text):
+            return TopologyFormat.BLOCK
         if _KEY_VALUE.match(ll.text):
             if _SCONTROL_LEVEL.search(ll.text):
                 return TopologyFormat.SCONTROL
@@ -39,9 +52,12 @@ def scan(text: str, *, source: str) -> tuple[Topology, list[Problem]]:
     fmt = detect_format(text)
     if fmt is TopologyFormat.SWITCH_LIST:
         return scan_switch_list(text, source=source)
-    if fmt is TopologyFormat.SCONTROL:
+    if fmt is TopologyFormat.BLOCK:
+        return scan_block_conf(text, source=source)
+    if fmt in (TopologyFormat.SCONTROL, TopologyFormat.SCONTROL_BLOCK):
+        parse = parse_scontrol_blocks if fmt.is_block else parse_scontrol_topology
         try:
-            return parse_scontrol_topology(text, source=source), []
+            return parse(text, source=source), []
         except TopologyProblems as exc:
             return Topology(switches=(), source=source, format=fmt), list(exc.problems)
     return scan_slurm_conf(text, source=source)
@@ -77,7 +93,8 @@ def read_text(path: str | os.PathLike[str]) -> tuple[str, str]:
 
 
 def load(path: str | os.PathLike[str]) -> Topology:
-    """Read a topology.conf, a switch list or saved `scontrol show topology` output.
+    """Read a topology.conf, a block.conf, a switch list or saved `scontrol show topology`
+    output (tree or block plugin).
 
     The format is detected from the content. Raises TopologyError whose message has one
     `FILE:LINE: what is wrong; how to fix it` line per problem.
@@ -87,12 +104,14 @@ def load(path: str | os.PathLike[str]) -> Topology:
 
 
 def render(topology: Topology, fmt: TopologyFormat, *, header: str = "") -> str:
-    """Text of `topology` in `fmt` (SLURM or SWITCH_LIST)."""
+    """Text of `topology` in `fmt` (SLURM, BLOCK or SWITCH_LIST)."""
+    if fmt is TopologyFormat.BLOCK:
+        return render_block_conf(topology, header=header)
     if fmt is TopologyFormat.SWITCH_LIST:
         return render_switch_list(topology, header=header)
     if fmt is TopologyFormat.SLURM:
         return render_slurm_conf(topology, header=header)
-    raise TopologyError(f"cannot write format '{fmt.value}'; choose slurm or switch-list")
+    raise TopologyError(f"cannot write format '{fmt.value}'; choose slurm, block or switch-list")
 
 
 def write_atomic(path: str | os.PathLike[str], text: str) -> None:

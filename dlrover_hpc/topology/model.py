@@ -58,6 +58,13 @@ class TopologyFormat(enum.Enum):
     SCONTROL = "scontrol"  # output of `scontrol show topology`
     TOPOLOGY_ADDR = "slurm-topology-addr"  # SLURM_TOPOLOGY_ADDR of each node
     MEMORY = "memory"  # built in code
+    BLOCK = "block"  # BlockName=/BlockSizes= lines of Slurm's block plugin (block.conf)
+    SCONTROL_BLOCK = "scontrol-block"  # `scontrol show topology` under the block plugin
+
+    @property
+    def is_block(self) -> bool:
+        """A block topology: each leaf "switch" is a block (an NVLink domain), none above."""
+        return self in (TopologyFormat.BLOCK, TopologyFormat.SCONTROL_BLOCK)
 
 
 class ProblemKind(enum.Enum):
@@ -81,6 +88,8 @@ class ProblemKind(enum.Enum):
     SWITCH_AT_TWO_LEVELS = "switch-at-two-levels"
     CYCLE = "cycle"
     EMPTY = "empty"
+    BAD_BLOCK_SIZES = "bad-block-sizes"
+    MIXED_PLUGINS = "tree-and-block-lines"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -149,6 +158,8 @@ class Topology:
     switches: tuple[Switch, ...]
     source: str = "<memory>"
     format: TopologyFormat = TopologyFormat.MEMORY
+    #: a block topology's BlockSizes= (base block size first); () when not given or not blocks
+    block_sizes: tuple[int, ...] = ()
 
     def by_name(self) -> dict[str, Switch]:
         """Switches by name; the first definition wins where a name is defined twice."""
@@ -201,8 +212,13 @@ class Topology:
         )
 
     def with_switches(self, switches: Iterable[Switch]) -> Topology:
-        """A copy with other switches and the same source and format."""
-        return Topology(switches=tuple(switches), source=self.source, format=self.format)
+        """A copy with other switches and the same source, format and block sizes."""
+        return Topology(
+            switches=tuple(switches),
+            source=self.source,
+            format=self.format,
+            block_sizes=self.block_sizes,
+        )
 
 
 def switch_levels(topology: Topology) -> dict[str, int]:

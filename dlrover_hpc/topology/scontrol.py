@@ -22,6 +22,7 @@ from typing import Protocol
 import hostlist
 
 from dlrover_hpc.errors import SlurmError, TopologyError
+from dlrover_hpc.topology.blocks import SCONTROL_BLOCK_KEY, parse_scontrol_blocks
 from dlrover_hpc.topology.model import (
     Problem,
     ProblemKind,
@@ -50,7 +51,12 @@ def parse_scontrol_topology(text: str, *, source: str = SCONTROL_SOURCE) -> Topo
 
     `LinkSpeed=1` (Slurm's default) is read as "not given". Keys other than SwitchName, Level,
     LinkSpeed, Nodes and Switches are ignored, so newer Slurm versions' extra fields do no harm.
+    Output of the block plugin (`BlockName=... BlockIndex=...` lines) is read as blocks
+    (`blocks.parse_scontrol_blocks`).
     """
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    if SCONTROL_BLOCK_KEY.match(first):
+        return parse_scontrol_blocks(text, source=source)
     switches: list[Switch] = []
     problems: list[Problem] = []
     for number, raw in enumerate(text.splitlines(), start=1):
@@ -89,8 +95,8 @@ def _parse_record(raw: str, number: int) -> Switch:
         fields[key.lower()] = "" if value == "(null)" else value
     if "blockname" in fields or "aggregatedblock" in fields:
         raise ValueError(
-            "this is Slurm's block topology, which is not supported; dlrover-hpc needs"
-            " TopologyPlugin=topology/tree (or pass a topology file)"
+            "a block-plugin line (BlockName=) in tree-plugin output; Slurm prints one plugin's"
+            " lines: save the whole `scontrol show topology` output of one cluster"
         )
     name = fields.get("switchname", "")
     if bad_name_reason(name):

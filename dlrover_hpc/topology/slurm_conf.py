@@ -167,9 +167,11 @@ def _parse_line(ll: LogicalLine, source: str) -> tuple[Switch | None, list[Probl
         if lower in _BLOCK_KEYS:
             problems.append(
                 problem(
-                    ProblemKind.UNSUPPORTED,
-                    f"'{key}=' belongs to Slurm's block topology, which is not supported; write"
-                    " tree lines: SwitchName=NAME Nodes=HOSTLIST or SwitchName=NAME Switches=NAMES",
+                    ProblemKind.MIXED_PLUGINS,
+                    f"'{key}=' is a block-plugin key in a tree topology.conf (its first line is"
+                    " SwitchName=); Slurm reads one plugin's lines: keep the BlockName= lines for"
+                    " TopologyPlugin=topology/block or the SwitchName= lines for topology/tree,"
+                    " one file each",
                 )
             )
             continue

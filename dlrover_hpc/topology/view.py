@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dlrover_hpc.topology.blocks import render_blocks
 from dlrover_hpc.topology.model import Topology, natural_key, natural_sorted, switch_levels
 from dlrover_hpc.topology.slurm_conf import compress
 
@@ -12,8 +13,10 @@ def render_tree(topology: Topology) -> str:
     """The switches as a tree, in rank order; a leaf shows its nodes as a hostlist.
 
     A switch listed under several parents appears in full under its first parent and as
-    `NAME (see PARENT)` under the others.
+    `NAME (see PARENT)` under the others. A block topology is listed block by block.
     """
+    if topology.format.is_block:
+        return render_blocks(topology)
     by_name = topology.by_name()
     parents = topology.parents()
     primary = topology.primary_parent()

@@ -35,7 +35,7 @@ class Clock:
 class Harness:
     """One Job with its handlers; records what the job pushes and asks Slurm to do."""
 
-    def __init__(self, tmp: Path, nnodes: str = "2:3", **config: Any) -> None:
+    def __init__(self, tmp: Path, nnodes: str = "2:3", topology: Any = None, **config: Any) -> None:
         self.clock = Clock()
         self.pushed: list[tuple[str, m.Message]] = []
         self.removed: list[tuple[str, str]] = []
@@ -52,6 +52,7 @@ class Harness:
             stores=stores,
             store_host="127.0.0.1",
             push=lambda agent, msg: self.pushed.append((agent, msg)),
+            topology=topology,
             clock=self.clock,
             events=EventLog(tmp / "events.jsonl"),
             journal=Journal(tmp / "journal.jsonl"),

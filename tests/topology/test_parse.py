@@ -201,7 +201,11 @@ def test_scontrol_keeps_non_default_link_speed_and_ignores_new_fields() -> None:
     ("text", "needle"),
     [
         ("", "printed no switches"),
-        ("BlockName=b1 BlockIndex=0 Nodes=n[1-4] BlockSize=4\n", "block topology"),
+        (
+            "SwitchName=s0 Level=0 LinkSpeed=1 Nodes=n1\nBlockName=b1 BlockIndex=0 Nodes=n2"
+            " BlockSize=1\n",
+            "a block-plugin line",
+        ),
         ("something unexpected\n", "is not KEY=VALUE"),
         ("SwitchName=s0 Level=0 LinkSpeed=1 Nodes=n[1-\n", "malformed hostlist"),
         ("SwitchName=s0 Level=0 LinkSpeed=1 Nodes=n" + "x" * 504 + "\n", "may have cut its Nodes="),

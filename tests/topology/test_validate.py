@@ -37,12 +37,13 @@ CASES = [
         "'Nodes=' is given twice on this line; give it once (merge the hostlists with a comma)",
     ),
     (
-        "block-topology",
-        "BlockName=b0 Nodes=n1\n",
-        K.UNSUPPORTED,
-        1,
-        "'BlockName=' belongs to Slurm's block topology, which is not supported; write tree"
-        " lines: SwitchName=NAME Nodes=HOSTLIST or SwitchName=NAME Switches=NAMES",
+        "block-line-in-tree-file",
+        "SwitchName=s0 Nodes=n1\nBlockName=b0 Nodes=n2\n",
+        K.MIXED_PLUGINS,
+        2,
+        "'BlockName=' is a block-plugin key in a tree topology.conf (its first line is"
+        " SwitchName=); Slurm reads one plugin's lines: keep the BlockName= lines for"
+        " TopologyPlugin=topology/block or the SwitchName= lines for topology/tree, one file each",
     ),
     (
         "include",
@@ -237,6 +238,100 @@ CASES = [
         1,
         "'a' is both the access switch and the pod switch of this line; a switch name is"
         " either an ASW or a PSW: rename one",
+    ),
+    # --- block.conf (Slurm's block plugin) ---
+    (
+        "block-unknown-key",
+        "BlockName=b1 Nodes=n[1-2] Node=n3\n",
+        K.UNKNOWN_KEY,
+        1,
+        "unknown key 'Node'; did you mean 'Nodes='? a block line takes BlockName= and Nodes=,"
+        " and one line takes BlockSizes=",
+    ),
+    (
+        "block-sizes-not-doubling",
+        "BlockName=b1 Nodes=n[1-2]\nBlockSizes=2,6\n",
+        K.BAD_BLOCK_SIZES,
+        2,
+        "BlockSizes=2,6: 6 is not a power of two (2, 4, 8, ...) times 2; Slurm aggregates"
+        " blocks in pairs: write e.g. BlockSizes=2,4",
+    ),
+    (
+        "block-sizes-not-numbers",
+        "BlockName=b1 Nodes=n[1-2]\nBlockSizes=0\n",
+        K.BAD_BLOCK_SIZES,
+        2,
+        "BlockSizes=0 is not a list of whole numbers above 0; write e.g. BlockSizes=18 or"
+        " BlockSizes=18,36,72",
+    ),
+    (
+        "block-sizes-twice",
+        "BlockSizes=2\nBlockName=b1 Nodes=n[1-2]\nBlockSizes=2\n",
+        K.DUPLICATE_KEY,
+        3,
+        "BlockSizes= is already given on line 1; give it once",
+    ),
+    (
+        "block-sizes-on-block-line",
+        "BlockName=b1 Nodes=n[1-2] BlockSizes=2\n",
+        K.BAD_SYNTAX,
+        1,
+        "BlockSizes= goes on a line of its own; move it off this BlockName= line",
+    ),
+    (
+        "switch-line-in-block-file",
+        "BlockName=b1 Nodes=n[1-2]\nSwitchName=s0 Nodes=n3\n",
+        K.MIXED_PLUGINS,
+        2,
+        "'SwitchName=' is a tree-plugin key in a block topology; Slurm reads one plugin's lines:"
+        " keep the BlockName= lines for TopologyPlugin=topology/block or the SwitchName= lines"
+        " for topology/tree, one file each",
+    ),
+    (
+        "block-without-name",
+        "BlockName=b1 Nodes=n[1-2]\nNodes=n3\n",
+        K.MISSING_SWITCH_NAME,
+        2,
+        "no BlockName= on this line; each line defines one block: start it with BlockName=NAME"
+        " (or write BlockSizes=N,... alone on a line)",
+    ),
+    (
+        "block-defined-twice",
+        "BlockName=b1 Nodes=n[1-2]\nBlockName=b1 Nodes=n3\n",
+        K.DUPLICATE_SWITCH,
+        2,
+        "block 'b1' is already defined on line 1; rename one of them or merge their Nodes= lists",
+    ),
+    (
+        "node-in-two-blocks",
+        "BlockName=b1 Nodes=n[1-2]\nBlockName=b2 Nodes=n[2-3]\n",
+        K.NODE_UNDER_TWO_LEAVES,
+        2,
+        "node 'n2' is in block 'b1' (line 1) and in block 'b2'; a node belongs to one block:"
+        " remove it from one of them",
+    ),
+    (
+        "block-malformed-hostlist",
+        "BlockName=b1 Nodes=n[1-\n",
+        K.BAD_HOSTLIST,
+        1,
+        f"malformed hostlist 'n[1-' in Nodes= (unbalanced brackets); {HOSTLIST_HINT}",
+    ),
+    (
+        "block-no-blocks",
+        "# sizes only\nBlockSizes=4\n",
+        K.EMPTY,
+        0,
+        "no blocks defined; add lines like 'BlockName=block1 Nodes=node[1-18]' and 'BlockSizes=18'",
+    ),
+    (
+        "scontrol-block-size-not-a-number",
+        "BlockName=b1 BlockIndex=0 Nodes=n[1-2] BlockSize=x\n",
+        K.BAD_SYNTAX,
+        1,
+        "cannot read 'BlockName=b1 BlockIndex=0 Nodes=n[1-2] BlockSize=x': BlockSize='x' is not"
+        " a number; expected block-plugin lines like 'BlockName=b1 BlockIndex=0"
+        " Nodes=node[1-18] BlockSize=18'",
     ),
 ]
 
