@@ -13,7 +13,7 @@ The baseline in the same run is the machine's own count (``/proc/stat``): how ma
 seconds the sampling saw, and how busy the cores were.
 
 Prints one JSON line: wall time, core-seconds (machine and sampled), the cores' busy share, the
-costliest test files and kinds of process.
+costliest test files, kinds of process, and kinds of process per test file.
 
     python benchmarks/suite_cpu.py                       # the whole suite, 4 workers
     python benchmarks/suite_cpu.py -- -n 2 tests/runtime/test_slurm_jobs.py
@@ -64,6 +64,7 @@ class Sampler:
     def __init__(self) -> None:
         self.by_file: collections.Counter[str] = collections.Counter()
         self.by_kind: collections.Counter[str] = collections.Counter()
+        self.by_file_kind: collections.Counter[str] = collections.Counter()
         self._seen: dict[int, tuple[str, str, int]] = {}  # pid -> (test file, kind, ticks)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -98,6 +99,8 @@ class Sampler:
                 continue  # it ended meanwhile
             self.by_file[test] += ticks - before
             self.by_kind[kind] += ticks - before
+            if test != "?":
+                self.by_file_kind[f"{test} {kind}"] += ticks - before
             self._seen[pid] = (test, kind, ticks)
 
     @staticmethod
@@ -146,6 +149,9 @@ def main() -> None:
                 "by_kind_s": {k: round(v / HZ, 1) for k, v in sampler.by_kind.most_common()},
                 "by_file_s": {
                     k: round(v / HZ, 1) for k, v in sampler.by_file.most_common(args.top)
+                },
+                "by_file_and_kind_s": {
+                    k: round(v / HZ, 1) for k, v in sampler.by_file_kind.most_common(args.top)
                 },
             }
         )

@@ -336,7 +336,7 @@ def test_unreachable_host_is_named(cluster: SshdCluster, tmp_path: Path, how: st
     out = job.output
     assert f"{bad}: unreachable: " in out, out[-3000:]
     assert "only 2 reachable host(s) of 3" in out and "needs at least 3" in out
-    assert took < 30, took  # within the connect timeout (3 s), plus start-up
+    assert took < 60, took  # the connect timeout (3 s) and start-up: 30.1 s at a load of 15-37
     assert not (tmp_path / "job" / "master.json").exists()
     assert_hosts_clean(cluster)  # the helpers already started on host1 and host2 are gone
 
