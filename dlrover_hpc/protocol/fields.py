@@ -27,9 +27,15 @@ def positional(cls: type) -> type:
     return cls
 
 
+#: the types :func:`plain` returns as they are, at one comparison
+_AS_IS = frozenset({str, int, float, bool, type(None)})
+
+
 def plain(value: Any) -> Any:
     """A field value as JSON: enums by value, nested rows as objects (or arrays, for the
     :func:`positional` row classes); others as they are."""
+    if type(value) in _AS_IS:
+        return value
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
@@ -42,7 +48,14 @@ def plain(value: Any) -> Any:
 
 def fields(obj: Any) -> dict[str, Any]:
     # A shallow field copy, not dataclasses.asdict: asdict deep-copies every list.
-    return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    names = _NAMES.get(type(obj))
+    if names is None:
+        names = _NAMES[type(obj)] = tuple(f.name for f in dataclasses.fields(obj))
+    return {name: plain(getattr(obj, name)) for name in names}
+
+
+#: a message or row class's field names, in order (cached: every frame written)
+_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def matches(value: Any, hint: Any) -> bool:
