@@ -18,7 +18,7 @@ import asyncio
 import errno
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from dlrover_hpc.errors import ProtocolError
 from dlrover_hpc.protocol import wire
@@ -84,12 +84,12 @@ class AgentConnection(asyncio.Protocol):
     # ------------------------------------------------------------- the protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport's subclasses: no isinstance check.
-        self.transport = transport  # type: ignore[assignment]
-        self.peer = transport.get_extra_info("peername")
+        self.transport = tcp = cast(asyncio.Transport, transport)
+        self.peer = tcp.get_extra_info("peername")
         if self._on_made is not None:
-            self._on_made(transport.get_extra_info("socket"))
+            self._on_made(tcp.get_extra_info("socket"))
         # Past this, reading stops until the agent takes its replies (a slow reader).
-        transport.set_write_buffer_limits(high=DRAIN_ABOVE)
+        tcp.set_write_buffer_limits(high=DRAIN_ABOVE)
         self._nonce = wire.new_nonce()
         self.send(wire.Frame(type="challenge", body={"nonce": self._nonce}))
         loop = asyncio.get_running_loop()
