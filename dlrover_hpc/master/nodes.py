@@ -90,6 +90,7 @@ def round_assignments(
     and where every node's checkpoint replicas go."""
     world = sum(n.nproc for n in ranked)
     peers = [f"{n.addr}:{n.replica_port}" if n.replica_port else "" for n in ranked]
+    replicas = any(peers)  # else every map is empty: no pass over each rank's candidates
     nnodes = len(ranked)
     out: list[m.Assignment] = []
     offset = 0
@@ -109,7 +110,9 @@ def round_assignments(
                 run_id=run_id,
                 replica_peer_map={
                     str(i): peers[i] for i in replica_candidates(rank, nnodes) if peers[i]
-                },
+                }
+                if replicas
+                else {},
             )
         )
         offset += rec.nproc

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
+import functools
 import gc
 import logging
 import resource
@@ -16,20 +16,16 @@ from typing import Any
 from dlrover_hpc.errors import ProtocolError
 from dlrover_hpc.master import batch_host, failover, stopping
 from dlrover_hpc.master.assembly import Master
+from dlrover_hpc.master.connection import AgentConnection
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol import wire
 from dlrover_hpc.protocol.keepalive import set_link_timeout, unacknowledged_s
 
 log = logging.getLogger(__name__)
 
-AUTH_TIMEOUT_S = 10.0
 #: ``dlrover-hpc master`` exits with this when another master serves the job (EX_TEMPFAIL):
 #: the job scripts stop restarting the master step then.
 SUPERSEDED = 75
-#: A connection that failed with these saw no answer for the link timeout: no reconnect grace.
-_LINK_ERRNOS = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH})
-#: replies queued to one agent past this: stop reading its requests until they are sent
-_DRAIN_ABOVE = 256 * 1024
 
 
 def _error_reply(frame: wire.Frame, exc: Exception) -> m.ErrorReply:
@@ -92,24 +88,19 @@ class MasterServer:
         self.config = master.config
         self._token = token
         master.sender = self.push
-        self._writers: dict[str, asyncio.StreamWriter] = {}
-        self._silent_links: set[asyncio.StreamWriter] = set()  # closed by _link_ticks
+        self._writers: dict[str, AgentConnection] = {}  # agent id -> its newest connection
         self._server: asyncio.base_events.Server | None = None
         self._listener_link_timeout = False  # accepted connections inherit the link timeout
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._pending: set[asyncio.Future[Any]] = set()  # requests whose answer waits
         self.port = 0
         self._handlers = master.requests()
 
     async def start(self) -> int:
         raise_open_files_limit(self.config.nnodes.max)
         quiet_collector()
-        self._server = await asyncio.start_server(
-            self._connection,
-            self.config.host,
-            self.config.port,
-            limit=wire.MAX_FRAME,
-            backlog=4096,
-            start_serving=False,
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self._accept, self.config.host, self.config.port, backlog=4096, start_serving=False
         )
         # Set on the listening sockets, the link timeout is every accepted connection's from
         # the kernel (Linux copies keepalive and TCP_USER_TIMEOUT into them): five fewer
@@ -131,78 +122,39 @@ class MasterServer:
         return self.port
 
     def push(self, agent_id: str, message: m.Message) -> None:
-        writer = self._writers.get(agent_id)
-        if writer is not None and not writer.is_closing():
-            wire.write_frame(writer, m.to_frame(message))
+        conn = self._writers.get(agent_id)
+        if conn is not None:
+            conn.write(wire.encode(m.to_frame(message)))
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        # A cut link sends no FIN: keepalive and TCP_USER_TIMEOUT make it an error in time.
+    def _accept(self) -> AgentConnection:
+        on_made = None
         if not self._listener_link_timeout:  # else: the listening socket's, inherited
-            sock = writer.get_extra_info("socket")
-            set_link_timeout(sock, self.config.link_timeout_in_use_s, peer=peer)
-        agent_ids: set[str] = set()
-        timed_out = False
-        try:
-            if not await self._authenticate(reader, writer, peer):
-                return
-            while True:
-                try:
-                    frame = await wire.read_frame(reader)
-                except EOFError:
-                    return
-                answer = self._answer(frame, writer, agent_ids)
-                if isinstance(answer, m.Message):  # answered at once (a heartbeat): no task
-                    if not writer.is_closing():
-                        wire.write_frame(writer, m.to_frame(answer, frame_id=frame.id))
-                        if writer.transport.get_write_buffer_size() > _DRAIN_ABOVE:
-                            await writer.drain()  # a slow reader: stop reading from it
-                    continue
-                task = asyncio.create_task(self._reply_later(frame, answer, writer, agent_ids))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-        except (ProtocolError, OSError) as exc:  # OSError: also ETIMEDOUT, EHOSTUNREACH
-            log.warning("connection dropped peer=%s error=%s", peer, exc)
-            # The keepalive / user timeout gave up: the link was silent for --link-timeout.
-            timed_out = isinstance(exc, OSError) and exc.errno in _LINK_ERRNOS
-        finally:
-            if writer in self._silent_links:  # the ticks found it silent for --link-timeout
-                self._silent_links.discard(writer)
-                timed_out = True
-            for agent_id in agent_ids:
-                if self._writers.get(agent_id) is writer:
-                    del self._writers[agent_id]
-                    self.master.agents.disconnected(agent_id, link_timed_out=timed_out)
-            writer.close()
+            # A cut link sends no FIN: keepalive and TCP_USER_TIMEOUT make it an error in time.
+            def on_made(sock: Any) -> None:
+                set_link_timeout(sock, self.config.link_timeout_in_use_s, peer="accepted")
 
-    async def _authenticate(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Any
-    ) -> bool:
-        nonce = wire.new_nonce()
-        wire.write_frame(writer, wire.Frame(type="challenge", body={"nonce": nonce}))
-        try:
-            await writer.drain()
-            async with asyncio.timeout(AUTH_TIMEOUT_S):  # not wait_for: no task per agent
-                answer = await wire.read_frame(reader, limit=wire.MAX_AUTH_FRAME)
-        except (TimeoutError, EOFError, ProtocolError, ConnectionError) as exc:
-            log.warning("connection refused peer=%s reason=no valid auth answer (%s)", peer, exc)
-            return False
-        if answer.type != "auth" or not wire.check_digest(
-            self._token, nonce, answer.body.get("digest")
-        ):
-            log.warning("connection refused peer=%s reason=bad job token", peer)
-            wire.write_frame(
-                writer, wire.Frame(type="auth_failed", body={"error": "bad job token"})
-            )
-            with contextlib.suppress(ConnectionError):
-                await writer.drain()
-            return False
-        wire.write_frame(writer, wire.Frame(type="auth_ok"))
-        await writer.drain()
-        return True
+        return AgentConnection(self, self._token, on_made=on_made)
+
+    def frame(self, conn: AgentConnection, frame: wire.Frame) -> None:
+        """A request on an authenticated connection: answered now, or when its future is."""
+        answer = self._answer(frame, conn)
+        if isinstance(answer, m.Message):  # answered at once (a heartbeat, a join)
+            conn.write(wire.encode(m.to_frame(answer, frame_id=frame.id)))
+            return
+        msg, pending = answer
+        fut = asyncio.ensure_future(pending)  # a future as it is; a coroutine as a task
+        self._pending.add(fut)
+        fut.add_done_callback(functools.partial(self._reply_later, frame, msg, conn))
+
+    def closed(self, conn: AgentConnection, *, link_timed_out: bool) -> None:
+        """``conn`` ended; ``link_timed_out``: it was silent for the link timeout."""
+        for agent_id in conn.agent_ids:
+            if self._writers.get(agent_id) is conn:
+                del self._writers[agent_id]
+                self.master.agents.disconnected(agent_id, link_timed_out=link_timed_out)
 
     def _answer(
-        self, frame: wire.Frame, writer: asyncio.StreamWriter, agent_ids: set[str]
+        self, frame: wire.Frame, conn: AgentConnection
     ) -> m.Message | tuple[m.Message, Awaitable[Any]]:
         """The reply to ``frame`` when its handler answers at once (most requests); else the
         request and what its reply waits on (a join, a checkpoint commit)."""
@@ -214,44 +166,44 @@ class MasterServer:
             result = handler(msg)
             if isinstance(result, Awaitable):
                 return msg, result
-            self._note_agent(msg, result, writer, agent_ids)
+            self._note_agent(msg, result, conn)
             reply: m.Message = result
             return reply
         except Exception as exc:
             return _error_reply(frame, exc)
 
-    async def _reply_later(
+    def _reply_later(
         self,
         frame: wire.Frame,
-        waiting: tuple[m.Message, Awaitable[Any]],
-        writer: asyncio.StreamWriter,
-        agent_ids: set[str],
+        msg: m.Message,
+        conn: AgentConnection,
+        fut: asyncio.Future[Any],
     ) -> None:
-        msg, pending = waiting
+        self._pending.discard(fut)
         reply: m.Message
-        try:
-            result = await pending
-            self._note_agent(msg, result, writer, agent_ids)
-            reply = result
-        except asyncio.CancelledError:
+        if fut.cancelled():
             reply = m.ErrorReply(message="request superseded")
-        except Exception as exc:
-            reply = _error_reply(frame, exc)
-        if not writer.is_closing():
-            wire.write_frame(writer, m.to_frame(reply, frame_id=frame.id))
-            with contextlib.suppress(OSError):  # the connection's reader reports it once
-                await writer.drain()
+        elif (exc := fut.exception()) is not None:
+            reply = (
+                _error_reply(frame, exc)
+                if isinstance(exc, Exception)
+                else m.ErrorReply(message=f"internal error: {exc!r}")
+            )
+        else:
+            result = fut.result()
+            self._note_agent(msg, result, conn)
+            reply = result
+        conn.write(wire.encode(m.to_frame(reply, frame_id=frame.id)))
 
-    def _note_agent(
-        self, msg: m.Message, result: Any, writer: asyncio.StreamWriter, agent_ids: set[str]
-    ) -> None:
+    def _note_agent(self, msg: m.Message, result: Any, conn: AgentConnection) -> None:
         """Pushes to an agent go over the connection it last spoke on."""
+        agent_ids = conn.agent_ids
         if isinstance(msg, m.Join):
             agent_ids.add(result.agent_id)
-            self._writers[result.agent_id] = writer
+            self._writers[result.agent_id] = conn
         elif (agent_id := getattr(msg, "agent_id", None)) and agent_id not in agent_ids:
             agent_ids.add(agent_id)  # a re-connected agent
-            self._writers[agent_id] = writer
+            self._writers[agent_id] = conn
 
     async def _liveness(self) -> None:
         while True:
@@ -280,23 +232,24 @@ class MasterServer:
         timeout_s = self.config.link_timeout_in_use_s
         while True:
             await asyncio.sleep(every_s)
-            for writer in set(self._writers.values()):
-                if writer.is_closing():
+            for conn in set(self._writers.values()):
+                transport = conn.transport
+                if transport is None or transport.is_closing():
                     continue
-                silent_s = unacknowledged_s(writer.get_extra_info("socket"))
+                silent_s = unacknowledged_s(transport.get_extra_info("socket"))
                 if silent_s is not None and silent_s >= timeout_s:
                     log.warning(
                         "link silent peer=%s unacknowledged_s=%.2f link_timeout_s=%g: closing",
-                        writer.get_extra_info("peername"),
+                        conn.peer,
                         silent_s,
                         timeout_s,
                     )
-                    self._silent_links.add(writer)
-                    writer.transport.abort()  # its reader ends; its agent is lost at once
+                    conn.silent = True
+                    transport.abort()  # the connection ends; its agent is lost at once
                     continue
                 # Bytes still queued here: the kernel has data in flight already.
-                if not writer.transport.get_write_buffer_size():
-                    writer.write(tick)
+                if not transport.get_write_buffer_size():
+                    transport.write(tick)
 
     async def _lease(self) -> None:
         """Renew the lease; step down when a newer master claimed the job (fencing)."""
@@ -359,9 +312,9 @@ class MasterServer:
         await asyncio.to_thread(self.master.stop_metrics)
         if self._server is not None:
             self._server.close()
-            for writer in list(self._writers.values()):
-                writer.close()
+            for conn in list(self._writers.values()):
+                conn.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 5)
-        for task in list(self._tasks):
-            task.cancel()
+        for fut in list(self._pending):
+            fut.cancel()

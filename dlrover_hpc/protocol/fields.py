@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import types
 import typing
@@ -26,9 +27,15 @@ def positional(cls: type) -> type:
     return cls
 
 
+#: the types :func:`plain` returns as they are, at one comparison
+_AS_IS = frozenset({str, int, float, bool, type(None)})
+
+
 def plain(value: Any) -> Any:
     """A field value as JSON: enums by value, nested rows as objects (or arrays, for the
     :func:`positional` row classes); others as they are."""
+    if type(value) in _AS_IS:
+        return value
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
@@ -41,7 +48,14 @@ def plain(value: Any) -> Any:
 
 def fields(obj: Any) -> dict[str, Any]:
     # A shallow field copy, not dataclasses.asdict: asdict deep-copies every list.
-    return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    names = _NAMES.get(type(obj))
+    if names is None:
+        names = _NAMES[type(obj)] = tuple(f.name for f in dataclasses.fields(obj))
+    return {name: plain(getattr(obj, name)) for name in names}
+
+
+#: a message or row class's field names, in order (cached: every frame written)
+_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def matches(value: Any, hint: Any) -> bool:
@@ -184,3 +198,38 @@ def _converts(hint: Any) -> bool:
         (item,) = typing.get_args(hint)
         return isinstance(item, type) and dataclasses.is_dataclass(item)
     return False
+
+
+#: A field's check (:func:`matches`) and its conversion (:func:`typed`; None: the value as
+#: it is), by name, per message class: one lookup per field read, not a hint's hash and its
+#: introspection (every heartbeat's four fields, every join's twenty).
+Reader = dict[str, tuple[Callable[[Any], bool], Callable[[Any], Any] | None]]
+_READERS: dict[type, Reader] = {}
+
+
+def reader(cls: type) -> Reader:
+    """How each field of ``cls`` is read (cached)."""
+    found = _READERS.get(cls)
+    if found is None:
+        found = _READERS[cls] = {
+            name: (_checker(hint), _conversion(hint)) for name, hint in hints(cls).items()
+        }
+    return found
+
+
+def _conversion(hint: Any) -> Callable[[Any], Any] | None:
+    """:func:`typed` for ``hint``, without its introspection at each call (None: none)."""
+    if not _converts(hint):
+        return None
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        return hint
+    (item,) = typing.get_args(hint)
+    if not _plain_row(item):
+        return functools.partial(typed, hint=hint)
+
+    def rows(value: list[Any]) -> list[Any]:  # a heartbeat's 8 ranks: built by position
+        return [
+            item(*v) if type(v) is list else v if isinstance(v, item) else item(**v) for v in value
+        ]
+
+    return rows

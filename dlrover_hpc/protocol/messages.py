@@ -10,9 +10,8 @@ from dlrover_hpc.errors import ProtocolError
 from dlrover_hpc.events import EventName
 from dlrover_hpc.protocol.fields import fields as _fields
 from dlrover_hpc.protocol.fields import hints as _hints
-from dlrover_hpc.protocol.fields import matches as _matches
 from dlrover_hpc.protocol.fields import positional
-from dlrover_hpc.protocol.fields import typed as _typed
+from dlrover_hpc.protocol.fields import reader as _reader
 from dlrover_hpc.protocol.wire import Frame
 
 
@@ -481,15 +480,21 @@ def from_frame(frame: Frame) -> Message:
     cls = REGISTRY.get(frame.type)
     if cls is None:
         raise ProtocolError(f"unknown message type {frame.type!r}")
-    hints = _hints(cls)
-    unknown = set(frame.body) - set(hints)
-    if unknown:
+    fields, body = _reader(cls), frame.body
+    if not fields.keys() >= body.keys():
+        unknown = set(body) - set(fields)
         raise ProtocolError(f"{frame.type}: unknown fields {sorted(unknown)}")
-    for name, value in frame.body.items():
-        if not _matches(value, hints[name]):
-            raise ProtocolError(f"{frame.type}.{name}: {value!r} does not match {hints[name]}")
+    for name, value in body.items():
+        if not fields[name][0](value):
+            hint = _hints(cls)[name]
+            raise ProtocolError(f"{frame.type}.{name}: {value!r} does not match {hint}")
     try:
-        return cls(**{name: _typed(value, hints[name]) for name, value in frame.body.items()})
+        return cls(
+            **{
+                name: value if (convert := fields[name][1]) is None else convert(value)
+                for name, value in body.items()
+            }
+        )
     except TypeError as exc:
         raise ProtocolError(f"{frame.type}: {exc}") from None
 

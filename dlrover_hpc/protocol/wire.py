@@ -42,15 +42,23 @@ class Frame:
 
 
 def encode(frame: Frame) -> bytes:
-    obj = {"v": VERSION, "type": frame.type, "id": frame.id, "body": frame.body}
     try:
-        payload = orjson.dumps(obj)  # a sixth of json's time: four frames per agent's join
+        body = orjson.dumps(frame.body)  # a sixth of json's time: four frames per agent's join
     except TypeError:  # an integer past 64 bits, a key that is not a string
-        payload = b"null"
-    if b"null" in payload:
+        body = b"null"
+    if b"null" in body:
         # orjson writes NaN and Infinity as null, which a float field refuses: json writes
-        # them as a peer reads them back (a None, and a push's id, are null either way).
-        payload = json.dumps(obj, separators=(",", ":")).encode()
+        # them as a peer reads them back (a None is null either way).
+        body = json.dumps(frame.body, separators=(",", ":")).encode()
+    # The frame around its body as json and orjson write it (a push's id: null, not a
+    # reason to write the body twice: a challenge and an auth_ok per agent's join).
+    fid = b"null" if frame.id is None else str(int(frame.id)).encode()
+    payload = b'{"v":%d,"type":%b,"id":%b,"body":%b}' % (
+        VERSION,
+        orjson.dumps(frame.type),
+        fid,
+        body,
+    )
     if len(payload) > MAX_FRAME:
         raise ProtocolError(f"frame of {len(payload)} bytes exceeds the {MAX_FRAME} byte limit")
     return _HEADER.pack(len(payload)) + payload
@@ -92,6 +100,40 @@ async def read_frame(reader: asyncio.StreamReader, *, limit: int = MAX_FRAME) ->
     except asyncio.IncompleteReadError:
         raise ProtocolError("connection closed inside a frame") from None
     return decode(payload)
+
+
+class FrameBuffer:
+    """Frames cut from a connection's bytes as they arrive (an asyncio Protocol's
+    ``data_received``): no stream reader, read task or await per frame.  The master reads
+    2,048 heartbeats a second at 4,096 nodes, and 16,384 joins in a rendezvous."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    def pop(self, *, limit: int = MAX_FRAME) -> bytes | None:
+        """The next whole frame's payload, None until its bytes are all in; ProtocolError for
+        a frame announced longer than ``limit``."""
+        buf = self._buf
+        if len(buf) < _HEADER.size:
+            return None
+        (length,) = _HEADER.unpack_from(buf)
+        if length > limit:
+            raise ProtocolError(f"peer announced a {length} byte frame (limit {limit})")
+        end = _HEADER.size + length
+        if len(buf) < end:
+            return None
+        payload = bytes(buf[_HEADER.size : end])
+        del buf[:end]
+        return payload
+
+    def __len__(self) -> int:
+        """Bytes held: a frame cut short when its connection ends, unless 0."""
+        return len(self._buf)
 
 
 def write_frame(writer: asyncio.StreamWriter, frame: Frame) -> None:
