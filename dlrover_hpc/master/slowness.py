@@ -23,7 +23,7 @@ MIN_WINDOW_S = 8.0
 #: a node at a quarter speed went 88 s unreported).
 SLOW_SHARE = 0.75
 SAMPLE_WINDOW_S = 15.0
-STRAGGLER_CHECK_S = 2.0  # compare ranks this often (linear in the ranks)
+STRAGGLER_CHECK_S = 2.0  # compare ranks at most this seldom (linear in the ranks; hangs.py)
 MIN_SAMPLES = 3
 MIN_EXTRA_S = 0.02  # a straggler's compute exceeds its peers' by this much at least
 #: A slow link: a node whose heartbeats take this many times its peers' median round trip,

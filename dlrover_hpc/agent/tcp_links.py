@@ -1,0 +1,88 @@
+"""The node's TCP connections as the kernel measures them: a slow link that is alive (issue 50).
+
+A node whose egress is rate-limited (a bad cable, a port at a fraction of its speed; on the
+local Slurm ``tc tbf``) loses no packet: every one is acknowledged, late.  Its workers' step
+times say nothing about it, as every rank waits for it in the all-reduce.  The kernel does:
+each TCP connection's smoothed round trip (``TCP_INFO``) counts the time its segments wait in
+the node's queue.  On the slow node every connection that sends shows it; on a peer, only the
+one connection to that node.  So the agent reads every connection of its node (``ss -tin``:
+netlink ``sock_diag``, nothing asked of the workers) at each heartbeat and reports the median
+round trip over the connections to other hosts that sent data since the previous heartbeat;
+the master compares the nodes' medians (:func:`dlrover_hpc.master.slowness.slow_links`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import re
+import shutil
+import statistics
+import subprocess
+
+log = logging.getLogger(__name__)
+
+SS_TIMEOUT_S = 2.0
+_RTT = re.compile(r"\brtt:([0-9.]+)/")
+_LASTSND = re.compile(r"\blastsnd:(\d+)")
+_LOCAL = ("127.", "[::1]", "[::ffff:127.")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Links:
+    """The median smoothed round trip of the busy connections, and how many there were."""
+
+    rtt_s: float = 0.0
+    count: int = 0
+
+
+def _host(address: str) -> str:
+    return address.rsplit(":", 1)[0].removeprefix("[::ffff:").rstrip("]").lstrip("[")
+
+
+def summarize(text: str, *, recent_ms: float) -> Links:
+    """``ss -tinH`` output -> the median round trip over the established connections to
+    another host that sent data within ``recent_ms`` (idle ones keep an old estimate)."""
+    rtts = []
+    lines = text.splitlines()
+    for head, info in itertools.pairwise(lines):
+        fields = head.split()
+        if len(fields) < 5 or fields[0] != "ESTAB" or not info[:1].isspace():
+            continue
+        local, peer = fields[3], fields[4]
+        if peer.startswith(_LOCAL) or _host(local) == _host(peer):
+            continue  # the node's own ranks, over loopback or its own address
+        rtt, lastsnd = _RTT.search(info), _LASTSND.search(info)
+        if rtt is None or lastsnd is None or int(lastsnd.group(1)) > recent_ms:
+            continue
+        rtts.append(float(rtt.group(1)) / 1000.0)
+    if not rtts:
+        return Links()
+    return Links(round(statistics.median(rtts), 6), len(rtts))
+
+
+class TcpLinks:
+    """Reads the node's connections with ``ss``; reports nothing where it cannot run."""
+
+    def __init__(self) -> None:
+        self._ss = shutil.which("ss")
+        if self._ss is None:
+            log.info("no 'ss' (iproute2) here: no TCP round trips in the heartbeats")
+
+    def read(self, *, recent_s: float) -> Links:
+        if self._ss is None:
+            return Links()
+        try:
+            out = subprocess.run(
+                [self._ss, "-tinH"],
+                capture_output=True,
+                text=True,
+                timeout=SS_TIMEOUT_S,
+                check=True,
+            ).stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("ss failed error=%s: no TCP round trips in the heartbeats", exc)
+            self._ss = None
+            return Links()
+        return summarize(out, recent_ms=recent_s * 1000.0)
