@@ -681,6 +681,7 @@ class Agent:
                 rtt_s=rtt_s,
                 tcp_rtt_s=links.rtt_s,
                 tcp_links=links.count,
+                tcp_min_rtt_s=links.min_rtt_s,
             )
             sent = time.monotonic()
             try:

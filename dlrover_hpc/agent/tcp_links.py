@@ -7,8 +7,10 @@ each TCP connection's smoothed round trip (``TCP_INFO``) counts the time its seg
 the node's queue.  On the slow node every connection that sends shows it; on a peer, only the
 one connection to that node.  So the agent reads every connection of its node (``ss -tin``:
 netlink ``sock_diag``, nothing asked of the workers) at each heartbeat and reports the median
-round trip over the connections to other hosts that sent data since the previous heartbeat;
-the master compares the nodes' medians (:func:`dlrover_hpc.master.slowness.slow_links`).
+round trip over the connections to other hosts that sent data since the previous heartbeat,
+and the lowest: on the slow node even that queues, while a peer's lowest is a connection to a
+healthy node (its median may count its connection to the slow one).  The master compares the
+nodes' readings (:mod:`dlrover_hpc.master.link_slowness`).
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ _LOCAL = ("127.", "[::1]", "[::ffff:127.")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Links:
-    """The median smoothed round trip of the busy connections, and how many there were."""
+    """The median and the lowest smoothed round trip of the busy connections, and how many
+    there were."""
 
     rtt_s: float = 0.0
     count: int = 0
+    min_rtt_s: float = 0.0
 
 
 def _host(address: str) -> str:
@@ -59,7 +63,7 @@ def summarize(text: str, *, recent_ms: float) -> Links:
         rtts.append(float(rtt.group(1)) / 1000.0)
     if not rtts:
         return Links()
-    return Links(round(statistics.median(rtts), 6), len(rtts))
+    return Links(round(statistics.median(rtts), 6), len(rtts), round(min(rtts), 6))
 
 
 class TcpLinks:

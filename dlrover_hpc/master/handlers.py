@@ -263,7 +263,10 @@ class AgentHandlers:
         if msg.round == self.job.round and rec.state is NodeState.ACTIVE:
             if self.hangs is not None:
                 self.hangs.heartbeat(
-                    rec.node, msg.progress, rtt_s=msg.rtt_s, tcp_rtt_s=msg.tcp_rtt_s
+                    rec.node,
+                    msg.progress,
+                    rtt_s=msg.rtt_s,
+                    tcp_rtt_s=(msg.tcp_rtt_s, msg.tcp_min_rtt_s),
                 )
             self._progress(rec, msg.progress)
         return m.HeartbeatReply(

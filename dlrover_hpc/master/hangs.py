@@ -200,7 +200,7 @@ class HangWatch:
         progress: Sequence[m.RankProgress],
         *,
         rtt_s: float = 0.0,
-        tcp_rtt_s: float = 0.0,
+        tcp_rtt_s: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         self._new_round()
         now = self.job.clock()
@@ -208,8 +208,8 @@ class HangWatch:
             self._round_began = now
         if rtt_s > 0:
             self._rtts.setdefault(rec_node, collections.deque(maxlen=16)).append((now, rtt_s))
-        if tcp_rtt_s > 0:
-            self._tcp.sample(rec_node, now, tcp_rtt_s)
+        if tcp_rtt_s[0] > 0:  # the median and the lowest (agent/tcp_links.py)
+            self._tcp.sample(rec_node, now, *tcp_rtt_s)
         for p in progress:
             old = self._seen.get(p.rank)
             self._seen[p.rank] = _Seen(p, rec_node, now)
@@ -479,7 +479,10 @@ class HangWatch:
         # The kernel's round trips of the nodes' TCP connections: strong at the first readings
         tcp, slow = self._tcp.check(now, self.job.config.heartbeat_every_s)
         for node, found in slow.items():
-            evidence = {n: {"tcp_rtt_s": round(r, 4)} for n, r in sorted(tcp.items())[:64]}
+            evidence = {
+                n: {"tcp_rtt_s": round(r, 4), "tcp_min_rtt_s": round(low, 4)}
+                for n, (r, low) in sorted(tcp.items())[:64]
+            }
             since = self._tcp.samples[node][0][0]  # the oldest of the readings it rests on
             self._slow_link(node, found, round(now - since, 1), evidence, "tcp")
 

@@ -177,6 +177,7 @@ class Heartbeat(Message):
     #: a node whose egress is rate-limited queues every packet (:mod:`dlrover_hpc.agent.tcp_links`)
     tcp_rtt_s: float = 0.0
     tcp_links: int = 0  # how many connections that median is over
+    tcp_min_rtt_s: float = 0.0  # the lowest of their round trips
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

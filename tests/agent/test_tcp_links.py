@@ -17,11 +17,11 @@ DATA = Path(__file__).parents[1] / "data" / "tcp"
     [
         # node3 (slow egress): its gloo data to node2 (68.8 ms), its acks and data to node4
         # (40.4), its heartbeats to the master (22.3); two idle connections left out
-        ("ss-tin-slow-egress.txt", 2000, Links(0.040375, 3)),
+        ("ss-tin-slow-egress.txt", 2000, Links(0.040375, 3, 0.022308)),
         # node4, a peer: only its connection to node3 queues (44.3 ms); node1's two 4.6-4.8
-        ("ss-tin-peer.txt", 2000, Links(0.004798, 3)),
+        ("ss-tin-peer.txt", 2000, Links(0.004798, 3, 0.004592)),
         # only connections that sent in the last 50 ms: node4's two at lastsnd 12 ms
-        ("ss-tin-peer.txt", 50, Links(round((0.044272 + 0.004798) / 2, 6), 2)),
+        ("ss-tin-peer.txt", 50, Links(round((0.044272 + 0.004798) / 2, 6), 2, 0.004798)),
         ("ss-tin-peer.txt", 1, Links()),  # nothing sent that recently
     ],
 )
@@ -45,7 +45,7 @@ def test_the_nodes_own_ranks_and_lines_that_are_no_connection_count_for_nothing(
         + "ESTAB 0 0 10.77.7.3:5000 10.77.7.4:5004\n"  # no info line after it
         + "ESTAB 0 0 10.77.7.3:5000 10.77.7.2:5005\n\t bbr rtt:3.0/1.0 lastsnd:5\n"
     )
-    assert summarize(text, recent_ms=2000) == Links(0.003, 1)
+    assert summarize(text, recent_ms=2000) == Links(0.003, 1, 0.003)
     assert summarize("", recent_ms=2000) == Links()
 
 

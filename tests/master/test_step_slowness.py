@@ -156,6 +156,21 @@ def test_a_node_whose_connections_queue_is_a_slow_link(
     assert set(found) == slow
 
 
+def test_a_peer_whose_median_counts_its_connection_to_the_slow_node_is_judged_by_its_lowest() -> (
+    None
+):
+    """As measured with 3 nodes: n3's median 59 ms against its peers' 19-25 ms (2.7x, they
+    count their connection to n3); its lowest (its heartbeats) still 25 ms, theirs 2-3."""
+    links = ls.TcpLinks()
+    for at in (0.0, 2.0, 4.0):
+        links.sample("n1", at, 0.019, 0.002)
+        links.sample("n2", at, 0.025, 0.003)
+        links.sample("n3", at, 0.050, 0.025)  # 2.27x by the median: not enough alone
+    medians, found = links.check(4.0, 2.0)
+    assert medians["n3"] == (0.05, 0.025)
+    assert found == {"n3": ls.Slow(10.0, 0.025, 0.0025, 0.0)}
+
+
 def test_old_readings_are_no_evidence() -> None:
     links = ls.TcpLinks()
     for node, rtt in (("n1", 0.005), ("n2", 0.004), ("n3", 0.04)):
