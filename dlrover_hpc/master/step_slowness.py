@@ -4,9 +4,9 @@ Each rank reports the sums of its timed steps' compute and wait seconds
 (:func:`dlrover_hpc.worker.progress.timed_at`); between two of its reports the master has the
 means over *every* step the rank took, not over the one step a heartbeat happened to see.
 Each check compares the ranks' newest means (:func:`dlrover_hpc.master.slowness.stragglers`,
-at :func:`weak_factor`), and an episode gathers the steps of each new interval that finds the
+at :func:`weak_factor`), and an episode gathers the steps of each new window that finds the
 rank slow.  It is reported once it holds :func:`needed_steps` of them (fewer the slower the
-rank: at 0.15 s steps a node at half speed is ~12 steps, 4 s) over two heartbeats at least,
+rank: at 0.15 s steps a node at half speed is ~12 steps, 4 s) over two windows at least,
 or once it lasted :func:`dlrover_hpc.master.slowness.evidence_window` (the old rule in
 seconds, for jobs whose steps are long).  Agents that report no sums give one step per report.
 """
@@ -25,12 +25,13 @@ from dlrover_hpc.master.slowness import SAMPLE_WINDOW_S, Slow, evidence_window, 
 WEAK_SHARE = 0.4
 #: The steps an episode needs at the weak factor; k times as far past 1, k times fewer ...
 EVIDENCE_STEPS = 30
-#: ... but never fewer than this, over at least this many of the rank's reports.
-MIN_EVIDENCE_STEPS, MIN_INTERVALS = 8, 2
-#: Each check's mean covers the rank's newest reports back to this many steps (a rank at a
-#: quarter speed takes ~5 steps between two heartbeats of 2 s), and needs this many at least.
-RECENT_STEPS, MIN_RECENT_STEPS = 5, 3
-MISSES = 2  # new reports in a row that find the rank not slow end its episode
+#: ... but never fewer than this, over at least this many windows that share no report.
+MIN_EVIDENCE_STEPS, MIN_WINDOWS = 8, 2
+#: Each check's window is the rank's newest report, and the ones before it while it holds
+#: fewer steps than this.  Windows counted in an episode share no report: one long step (an
+#: evaluation nobody marked, on one rank) is in one of them, and never proves anything.
+WINDOW_STEPS = 3
+MISSES = 2  # new windows in a row that find the rank not slow end its episode
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -67,47 +68,59 @@ def interval(
     return Interval(at, n, (after[1] - before[1]) / n, max(0.0, after[2] - before[2]) / n)
 
 
-def recent(intervals: collections.deque[Interval], now: float) -> tuple[float, float] | None:
-    """The rank's mean compute and wait per step over its newest intervals (back to
-    :data:`RECENT_STEPS` steps, within :data:`SAMPLE_WINDOW_S`); None with too few steps."""
-    steps, compute, wait = 0, 0.0, 0.0
+@dataclasses.dataclass(frozen=True, slots=True)
+class Window:
+    """A check's evidence of a rank: its means per step over its newest intervals."""
+
+    compute_s: float
+    wait_s: float
+    steps: int
+    first_at: float  # its oldest interval's report
+    last_at: float  # its newest
+
+
+def recent(intervals: collections.deque[Interval], now: float) -> Window | None:
+    """The rank's newest intervals back to :data:`WINDOW_STEPS` steps, within
+    :data:`SAMPLE_WINDOW_S`; None with fewer steps."""
+    steps, compute, wait, first = 0, 0.0, 0.0, 0.0
     for iv in reversed(intervals):
-        if now - iv.at > SAMPLE_WINDOW_S or steps >= RECENT_STEPS:
+        if now - iv.at > SAMPLE_WINDOW_S or steps >= WINDOW_STEPS:
             break
         steps += iv.steps
         compute += iv.compute_s * iv.steps
         wait += iv.wait_s * iv.steps
-    if steps < MIN_RECENT_STEPS:
+        first = iv.at
+    if steps < WINDOW_STEPS:
         return None
-    return compute / steps, wait / steps
+    return Window(compute / steps, wait / steps, steps, first, intervals[-1].at)
 
 
 @dataclasses.dataclass(slots=True)
 class Episode:
     since: float  # the check that first found the rank slow
-    counted_at: float = -math.inf  # the newest interval counted (slow or not)
+    counted_at: float = -math.inf  # the newest report of the windows counted (slow or not)
     steps: int = 0
-    intervals: int = 0
+    windows: int = 0
     misses: int = 0
     ratios: list[float] = dataclasses.field(default_factory=list)
 
-    def count(self, intervals: collections.deque[Interval], found: Slow | None) -> bool:
-        """Counts the intervals newer than the last counted; False when the episode ended."""
-        new = [iv for iv in intervals if iv.at > self.counted_at]
-        if not new:
-            return True
-        self.counted_at = new[-1].at
+    def count(self, window: Window, found: Slow | None) -> bool:
+        """Counts a window that shares no report with those counted; False when the
+        episode ended."""
+        if window.first_at <= self.counted_at:
+            return True  # nothing new
+        self.counted_at = window.last_at
         if found is None:
             self.misses += 1
             return self.misses < MISSES
         self.misses = 0
-        self.steps += sum(iv.steps for iv in new)
-        self.intervals += len(new)
+        self.steps += window.steps
+        self.windows += 1
         self.ratios.append(found.ratio)
         return True
 
     def proven(self, now: float, factor: float) -> bool:
-        if self.intervals < MIN_INTERVALS:
+        if self.windows < MIN_WINDOWS:
             return False
         if self.steps >= needed_steps(self.ratios, factor):
             return True
@@ -145,12 +158,12 @@ class StepSlowness:
         if found is not None:
             self.intervals.setdefault(rank, collections.deque(maxlen=16)).append(found)
 
-    def timings(self, now: float) -> dict[int, tuple[float, float]]:
+    def windows(self, now: float) -> dict[int, Window]:
         out = {}
         for rank, intervals in self.intervals.items():
-            mean = recent(intervals, now)
-            if mean is not None:
-                out[rank] = mean
+            window = recent(intervals, now)
+            if window is not None:
+                out[rank] = window
         return out
 
     def check(
@@ -158,19 +171,18 @@ class StepSlowness:
     ) -> tuple[dict[int, tuple[float, float]], dict[int, Slow], list[int]]:
         """Each check: the ranks' timings (the evidence), those found slow, and the ranks
         whose episode is proven now."""
-        timings = self.timings(now)
+        windows = self.windows(now)
+        timings = {r: (w.compute_s, w.wait_s) for r, w in windows.items()}
         slow = stragglers(timings, weak_factor(factor))
         for rank, episode in list(self.episodes.items()):
-            if rank not in slow and not episode.count(self.intervals[rank], None):
+            if rank in slow:
+                continue
+            if rank not in windows or not episode.count(windows[rank], None):
                 del self.episodes[rank]  # the episode ended: its evidence starts again
         proven = []
         for rank, found in slow.items():
-            episode = self.episodes.get(rank)
-            if episode is None:  # its newest interval is the first evidence, no older one
-                episode = self.episodes[rank] = Episode(now)
-                newest = self.intervals[rank][-1]
-                episode.counted_at = newest.at - 1e-9
-            episode.count(self.intervals[rank], found)
-            if episode.proven(now, factor):
+            ongoing = self.episodes.setdefault(rank, Episode(now))
+            ongoing.count(windows[rank], found)
+            if ongoing.proven(now, factor):
                 proven.append(rank)
         return timings, slow, proven

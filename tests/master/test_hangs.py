@@ -629,11 +629,11 @@ def test_stronger_evidence_needs_a_shorter_window_and_one_spike_does_not_shorten
         # 1.45x its peers (barely past the weak factor 1.4): 27 steps of evidence
         (0.145, 10, 3, 30),
         (0.2, 10, 2, 20),  # half speed: 12 steps, but two reports at least
-        # a fifth of the speed on long steps: the floor of 8 steps, after a report more
-        # (each check's mean needs 3 steps)
-        (0.5, 2, 5, 8),
-        # one step a report: the old rule's 20 s window comes first (11 steps counted)
-        (0.145, 1, 13, 11),
+        # a fifth of the speed on long steps: the floor of 8 steps in two windows of two
+        # reports each (a window holds 3 steps at least; counted windows share no report)
+        (0.5, 2, 4, 8),
+        # one step a report: the old rule's 20 s window comes first (12 steps counted)
+        (0.145, 1, 13, 12),
     ],
 )
 def test_a_straggler_is_proven_by_its_steps_the_slower_the_fewer(

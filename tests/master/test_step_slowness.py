@@ -49,7 +49,7 @@ def test_an_interval_is_the_means_per_step_between_two_reports(
     assert got == (pytest.approx(found) if found else None)
 
 
-def test_each_check_takes_the_newest_intervals_back_to_a_few_steps() -> None:
+def test_each_check_takes_the_newest_intervals_back_to_three_steps() -> None:
     ivs = collections.deque(
         [
             ss.Interval(1.0, 10, 0.1, 0.0),
@@ -57,9 +57,10 @@ def test_each_check_takes_the_newest_intervals_back_to_a_few_steps() -> None:
             ss.Interval(5.0, 4, 0.4, 0.1),
         ]
     )
-    assert ss.recent(ivs, 5.0) == pytest.approx((0.4, 0.1))  # 6 steps: the older 10 left out
+    assert ss.recent(ivs, 5.0) == ss.Window(0.4, 0.1, 4, 5.0, 5.0)  # the newest alone
     ivs.append(ss.Interval(7.0, 1, 0.1, 0.0))
-    assert ss.recent(ivs, 7.0) == pytest.approx(((0.1 + 1.6) / 5, 0.4 / 5))
+    window = ss.recent(ivs, 7.0)  # the newest has 1 step: with the one before, 5
+    assert window == ss.Window(pytest.approx(1.7 / 5), pytest.approx(0.08), 5, 5.0, 7.0)
     assert ss.recent(collections.deque([ss.Interval(1.0, 2, 0.1, 0.0)]), 1.0) is None  # 2 steps
     assert ss.recent(ivs, 7.0 + 60) is None  # all older than the sample window
 
@@ -68,22 +69,32 @@ def test_each_check_takes_the_newest_intervals_back_to_a_few_steps() -> None:
     ("pattern", "goes_on"),
     [
         ("S", True),
-        ("SM", True),  # one report that misses it: the next decides
+        ("SM", True),  # one window that misses it: the next decides
         ("SMS", True),
         ("SMM", False),  # two in a row end the episode
-        ("SMSMSMSM", True),  # a throttled rank's uneven means: every other report
+        ("SMSMSMSM", True),  # a throttled rank's uneven means: every other window
         ("SSSSSSSMM", False),
     ],
 )
-def test_an_episode_survives_a_report_that_misses_it_but_not_two(
+def test_an_episode_survives_a_window_that_misses_it_but_not_two(
     pattern: str, goes_on: bool
 ) -> None:
-    episode, ivs, alive = ss.Episode(0.0), collections.deque[ss.Interval](), True
+    episode, alive = ss.Episode(0.0), True
     for i, c in enumerate(pattern):
-        ivs.append(ss.Interval(float(i), 5, 0.2, 0.0))
-        alive = episode.count(ivs, Slow(2.0, 0.2, 0.1, 0.1) if c == "S" else None)
+        window = ss.Window(0.2, 0.0, 5, float(i), float(i))
+        alive = episode.count(window, Slow(2.0, 0.2, 0.1, 0.1) if c == "S" else None)
     assert alive is goes_on
     assert episode.steps == 5 * pattern.count("S")
+
+
+def test_windows_that_share_a_report_count_once() -> None:
+    episode = ss.Episode(0.0)
+    found = Slow(3.0, 0.3, 0.1, 0.2)
+    assert episode.count(ss.Window(0.3, 0.0, 3, 1.0, 2.0), found)
+    assert episode.count(ss.Window(0.3, 0.0, 4, 2.0, 3.0), found)  # shares the report at 2.0
+    assert (episode.steps, episode.windows) == (3, 1)
+    assert episode.count(ss.Window(0.3, 0.0, 4, 3.0, 3.0), found)
+    assert (episode.steps, episode.windows) == (7, 2)
 
 
 def _beat(w: ss.StepSlowness, at: float, steps: int, per_step: dict[int, tuple[float, float]]):
@@ -121,6 +132,23 @@ def test_one_long_step_on_every_rank_or_peers_that_do_not_wait_prove_nothing() -
     for at in (4.0, 6.0, 8.0):
         _beat(w, at, 10, {0: (0.1, 0.0), 1: (0.1, 0.0), 2: (0.3, 0.0)})
         assert w.check(at, 2.0)[2] == []
+
+
+def test_one_rank_busy_for_one_long_step_while_its_peer_waits_proves_nothing() -> None:
+    """tests/runtime/test_hang.py's unmarked evaluation on rank 0 alone (rank 1 waits for it in
+    the all-reduce), on a job of 1 s steps: the step is in one window, whichever check sees it."""
+    w = ss.StepSlowness()
+    _beat(w, 0.0, 1, {0: (1.0, 0.0), 1: (1.0, 0.0)})
+    at, proven = 0.0, []
+    for beat in range(12):
+        at += 2.0
+        if beat == 4:  # the busy step and one more since the last report
+            _beat(w, at, 2, {0: (18.0, 0.0), 1: (1.0, 17.0)})
+        else:
+            _beat(w, at, 2, {0: (1.0, 0.0), 1: (1.0, 0.0)})
+        proven += w.check(at, 2.0)[2]
+        proven += w.check(at + 1.0, 2.0)[2]
+    assert proven == []
 
 
 def test_an_agent_without_sums_gives_one_step_per_new_step_it_reports() -> None:
