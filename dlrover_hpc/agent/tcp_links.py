@@ -7,10 +7,10 @@ each TCP connection's smoothed round trip (``TCP_INFO``) counts the time its seg
 the node's queue.  On the slow node every connection that sends shows it; on a peer, only the
 one connection to that node.  So the agent reads every connection of its node (``ss -tin``:
 netlink ``sock_diag``, nothing asked of the workers) at each heartbeat and reports the median
-round trip over the connections to other hosts that sent data since the previous heartbeat,
-and the lowest: on the slow node even that queues, while a peer's lowest is a connection to a
+round trip over the connections to other hosts that sent data in the last two heartbeats, and
+the lowest: on the slow node even that queues, while a peer's lowest is a connection to a
 healthy node (its median may count its connection to the slow one).  The master compares the
-nodes' readings (:mod:`dlrover_hpc.master.link_slowness`).
+nodes' lowest readings (:mod:`dlrover_hpc.master.link_slowness`).
 """
 
 from __future__ import annotations

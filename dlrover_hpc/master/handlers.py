@@ -266,7 +266,7 @@ class AgentHandlers:
                     rec.node,
                     msg.progress,
                     rtt_s=msg.rtt_s,
-                    tcp_rtt_s=(msg.tcp_rtt_s, msg.tcp_min_rtt_s),
+                    tcp_rtt_s=(msg.tcp_rtt_s, msg.tcp_min_rtt_s, msg.tcp_links),
                 )
             self._progress(rec, msg.progress)
         return m.HeartbeatReply(

@@ -200,7 +200,7 @@ class HangWatch:
         progress: Sequence[m.RankProgress],
         *,
         rtt_s: float = 0.0,
-        tcp_rtt_s: tuple[float, float] = (0.0, 0.0),
+        tcp_rtt_s: tuple[float, float, int] = (0.0, 0.0, 0),
     ) -> None:
         self._new_round()
         now = self.job.clock()
@@ -208,7 +208,7 @@ class HangWatch:
             self._round_began = now
         if rtt_s > 0:
             self._rtts.setdefault(rec_node, collections.deque(maxlen=16)).append((now, rtt_s))
-        if tcp_rtt_s[0] > 0:  # the median and the lowest (agent/tcp_links.py)
+        if tcp_rtt_s[0] > 0:  # the median, the lowest, how many (agent/tcp_links.py)
             self._tcp.sample(rec_node, now, *tcp_rtt_s)
         for p in progress:
             old = self._seen.get(p.rank)

@@ -4,12 +4,13 @@ Each agent reports the median and the lowest smoothed round trip of its node's b
 connections (:mod:`dlrover_hpc.agent.tcp_links`).  The kernel's estimate averages every
 acknowledged segment, so one heartbeat's reading is already strong evidence, unlike the
 heartbeat's own round trip (one request).  A node whose egress is rate-limited queues every
-connection's segments: its median, and even its lowest, are many times its peers'.  A peer's
-median may count its one connection to the slow node (with three nodes, one in three or in
-two), its lowest does not.  A node is slow once the median of its newest :data:`TCP_SAMPLES`
-readings of either is :data:`TCP_FACTOR` times its peers' and :data:`MIN_TCP_EXTRA_S` longer:
-two readings in three, about 4 s after the onset at the default 2 s heartbeats.  The heartbeat
-round trips stay the evidence for agents without it.
+connection's segments: even its lowest round trip is many times its peers'.  Not its median
+alone: a peer's median counts its connection to the slow node, which queues too (a soak saw
+a healthy node's median at 23 ms, its lowest 0.3 ms, beside the slow node's 40 and 32).  A
+node is slow once the median of its newest :data:`TCP_SAMPLES` lowest readings, each over
+:data:`MIN_CONNECTIONS` connections at least, is :data:`TCP_FACTOR` times its peers' and
+:data:`MIN_TCP_EXTRA_S` longer: two readings in three, about 4 s after the onset at the
+default 2 s heartbeats.  The heartbeat round trips stay the evidence for agents without it.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ import statistics
 from dlrover_hpc.master.slowness import Slow, slow_links
 
 TCP_SAMPLES = 3
-#: Below the heartbeats' 3: a soak with 3 training nodes on 2 busy cores measured medians of
-#: 34 ms against its peers' 11 ms at 256 kbit (40 against 5 with 4 nodes); a healthy node's
-#: spikes stay under :data:`MIN_TCP_EXTRA_S` (0.2-3.3 ms readings over a healthy minute here).
+#: the slow node's lowest was 8-40 times its peers' in the soaks here (18-32 ms against 0.5-3)
 TCP_FACTOR = 2.5
+#: a healthy node's lowest stayed under 11 ms in the soaks on 2 busy cores
+MIN_TCP_EXTRA_S = 0.012
+#: a node with one busy connection, to the slow node, would be its lowest alone
+MIN_CONNECTIONS = 2
 #: a node's readings count while they are this many heartbeats old at most
 TCP_WINDOW_BEATS = 4
-MIN_TCP_EXTRA_S = 0.015
 
 
 class TcpLinks:
@@ -39,9 +41,12 @@ class TcpLinks:
     def clear(self) -> None:
         self.samples.clear()
 
-    def sample(self, node: str, at: float, rtt_s: float, min_rtt_s: float = 0.0) -> None:
-        readings = self.samples.setdefault(node, collections.deque(maxlen=TCP_SAMPLES))
-        readings.append((at, rtt_s, min_rtt_s or rtt_s))
+    def sample(
+        self, node: str, at: float, rtt_s: float, min_rtt_s: float, connections: int
+    ) -> None:
+        if connections >= MIN_CONNECTIONS:
+            readings = self.samples.setdefault(node, collections.deque(maxlen=TCP_SAMPLES))
+            readings.append((at, rtt_s, min_rtt_s))
 
     def medians(self, now: float, heartbeat_s: float) -> dict[str, tuple[float, float]]:
         """Each node's median of its newest readings (of the median, of the lowest), where
@@ -60,13 +65,11 @@ class TcpLinks:
     def check(
         self, now: float, heartbeat_s: float
     ) -> tuple[dict[str, tuple[float, float]], dict[str, Slow]]:
-        """The nodes' medians (the evidence) and the nodes whose link is slow now: by the
-        median of their connections, else by the lowest."""
+        """The nodes' medians (the evidence) and the nodes whose link is slow now, by their
+        lowest round trips."""
         medians = self.medians(now, heartbeat_s)
-        found: dict[str, Slow] = {}
-        for which in (1, 0):
-            values = {n: v[which] for n, v in medians.items()}
-            for node, s in slow_links(values, factor=TCP_FACTOR).items():
-                if s.compute_s - s.peers_compute_s >= MIN_TCP_EXTRA_S:
-                    found[node] = s  # the median's evidence, where both found it
-        return medians, found
+        lowest = {n: low for n, (_, low) in medians.items()}
+        slow = slow_links(lowest, factor=TCP_FACTOR)
+        return medians, {
+            n: s for n, s in slow.items() if s.compute_s - s.peers_compute_s >= MIN_TCP_EXTRA_S
+        }

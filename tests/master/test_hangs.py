@@ -499,7 +499,7 @@ def test_a_node_whose_tcp_connections_queue_is_found_in_three_heartbeats_and_swa
                 ]
                 tcp = 0.04 if agent == slow else 0.005
                 node = h.job.nodes[agent].node
-                watch.heartbeat(node, progress, rtt_s=0.001, tcp_rtt_s=(tcp, tcp / 2))
+                watch.heartbeat(node, progress, rtt_s=0.001, tcp_rtt_s=(tcp, tcp / 2, 3))
             for _ in range(4):  # 2 s heartbeats, the tick every 0.5 s
                 watch.check()
                 h.clock.now += 0.5
@@ -509,7 +509,7 @@ def test_a_node_whose_tcp_connections_queue_is_found_in_three_heartbeats_and_swa
         node = h.job.nodes[slow].node
         assert beats == 4, beats  # the warm-up's, then three readings
         assert (e["node"], e["cause"], e["measured"]) == (node, "link", "tcp"), e
-        assert (e["rtt_s"], e["peers_rtt_s"], e["ratio"]) == (0.04, 0.005, 8.0), e
+        assert (e["rtt_s"], e["peers_rtt_s"], e["ratio"]) == (0.02, 0.0025, 8.0), e  # lowest
         assert e["evidence"][node] == {"tcp_rtt_s": 0.04, "tcp_min_rtt_s": 0.02}
         assert e["action"] == "swap at the next checkpoint" and e["slow_for_s"] == 4.0
         assert h.job.phase is Phase.RUNNING  # no rank holds a step saved since

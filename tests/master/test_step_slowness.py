@@ -158,51 +158,70 @@ def test_an_agent_without_sums_gives_one_step_per_new_step_it_reports() -> None:
     assert list(w.intervals[0]) == [ss.Interval(1.0, 1, 0.3, 0.0)]
 
 
+#: a node's readings: (median, lowest) of its busy connections, 3 heartbeats
+Readings = dict[str, list[tuple[float, float]]]
+
+
+def _links(readings: Readings, connections: int = 3) -> ls.TcpLinks:
+    links = ls.TcpLinks()
+    for node, rtts in readings.items():
+        for i, (rtt, low) in enumerate(rtts):
+            links.sample(node, 2.0 * i, rtt, low, connections)
+    return links
+
+
 @pytest.mark.parametrize(
     ("readings", "slow"),
     [
-        # node3's egress at 256 kbit, as measured: ~40 ms against its peers' ~5
-        ({"n1": [0.005] * 3, "n2": [0.004] * 3, "n3": [0.036, 0.026, 0.032]}, {"n3"}),
-        # 3 nodes on busy cores (the soak): each peer's median counts its link to n3 too
-        ({"n1": [0.011] * 3, "n2": [0.0112] * 3, "n3": [0.0342] * 3}, {"n3"}),
-        ({"n1": [0.011] * 3, "n2": [0.0112] * 3, "n3": [0.027] * 3}, set()),  # 2.4x
-        ({"n1": [0.005] * 3, "n2": [0.004] * 3, "n3": [0.001, 0.001, 0.04]}, set()),  # 1 in 3
-        ({"n1": [0.005] * 3, "n2": [0.004] * 3, "n3": [0.04, 0.04]}, set()),  # 2 readings only
-        ({"n1": [0.0005] * 3, "n2": [0.0004] * 3, "n3": [0.003] * 3}, set()),  # 6x but 2.5 ms
-        ({"n1": [0.003] * 3, "n2": [0.004] * 3, "n3": [0.0033] * 3}, set()),  # a healthy spike
-        ({"n3": [0.04] * 3}, set()),  # nobody to compare with
+        # node3's egress at 256 kbit (4 nodes, measured): even its heartbeats queue
+        (
+            {"n1": [(0.005, 0.002)] * 3, "n2": [(0.004, 0.001)] * 3, "n3": [(0.04, 0.022)] * 3},
+            {"n3"},
+        ),
+        # a soak's readings: n3's median counts its connection to the slow n4, not its lowest
+        (
+            {
+                "n1": [(0.0017, 0.0005)] * 3,
+                "n2": [(0.0113, 0.0101)] * 3,
+                "n3": [(0.0229, 0.0003)] * 3,
+                "n4": [(0.0404, 0.0324)] * 3,
+            },
+            {"n4"},
+        ),
+        (
+            {
+                "n1": [(0.005, 0.002)] * 3,
+                "n2": [(0.004, 0.001)] * 3,
+                "n3": [(0.04, 0.001)] * 2 + [(0.04, 0.03)],
+            },
+            set(),
+        ),  # 1 in 3
+        (
+            {"n1": [(0.005, 0.002)] * 3, "n2": [(0.004, 0.001)] * 3, "n3": [(0.04, 0.03)] * 2},
+            set(),
+        ),  # 2 readings
+        (
+            {"n1": [(0.001, 0.0005)] * 3, "n2": [(0.001, 0.0004)] * 3, "n3": [(0.004, 0.003)] * 3},
+            set(),
+        ),  # 6x, 2.5 ms
+        ({"n3": [(0.04, 0.03)] * 3}, set()),  # nobody to compare with
     ],
 )
-def test_a_node_whose_connections_queue_is_a_slow_link(
-    readings: dict[str, list[float]], slow: set[str]
+def test_a_node_whose_every_connection_queues_is_a_slow_link(
+    readings: Readings, slow: set[str]
 ) -> None:
-    links = ls.TcpLinks()
-    for node, rtts in readings.items():
-        for i, rtt in enumerate(rtts):
-            links.sample(node, 2.0 * i, rtt)
-    _, found = links.check(6.0, 2.0)
-    assert set(found) == slow
+    assert set(_links(readings).check(6.0, 2.0)[1]) == slow
 
 
-def test_a_peer_whose_median_counts_its_connection_to_the_slow_node_is_judged_by_its_lowest() -> (
-    None
-):
-    """As measured with 3 nodes: n3's median 59 ms against its peers' 19-25 ms (2.7x, they
-    count their connection to n3); its lowest (its heartbeats) still 25 ms, theirs 2-3."""
-    links = ls.TcpLinks()
-    for at in (0.0, 2.0, 4.0):
-        links.sample("n1", at, 0.019, 0.002)
-        links.sample("n2", at, 0.025, 0.003)
-        links.sample("n3", at, 0.050, 0.025)  # 2.27x by the median: not enough alone
-    medians, found = links.check(4.0, 2.0)
-    assert medians["n3"] == (0.05, 0.025)
-    assert found == {"n3": ls.Slow(10.0, 0.025, 0.0025, 0.0)}
+def test_a_node_with_one_busy_connection_is_no_evidence() -> None:
+    """Its lowest would be that one connection: to the slow node, it queues."""
+    readings = {"n1": [(0.001, 0.001)] * 3, "n2": [(0.001, 0.001)] * 3, "n3": [(0.04, 0.04)] * 3}
+    assert _links(readings, connections=1).check(6.0, 2.0) == ({}, {})
 
 
 def test_old_readings_are_no_evidence() -> None:
-    links = ls.TcpLinks()
-    for node, rtt in (("n1", 0.005), ("n2", 0.004), ("n3", 0.04)):
-        for at in (0.0, 2.0, 4.0):
-            links.sample(node, at, rtt)
-    assert set(links.check(4.0, 2.0)[1]) == {"n3"}
+    readings = {"n1": [(0.005, 0.002)] * 3, "n2": [(0.004, 0.001)] * 3, "n3": [(0.04, 0.03)] * 3}
+    links = _links(readings)
+    medians, found = links.check(4.0, 2.0)
+    assert medians["n3"] == (0.04, 0.03) and found == {"n3": Slow(20.0, 0.03, 0.0015, 0.0)}
     assert links.check(4.0 + 2.0 * ls.TCP_WINDOW_BEATS + 1, 2.0) == ({}, {})
