@@ -667,9 +667,7 @@ class Agent:
             progress = await asyncio.to_thread(self.watchdog.poll) if running else []
             links = tcp_links.Links()
             if running:  # the node's TCP round trips: a slow link that is alive (tcp_links)
-                # two intervals: the connection to the master sends once per heartbeat
-                recent_s = 2 * self._heartbeat_s
-                links = await asyncio.to_thread(self._tcp.read, recent_s=recent_s)
+                links = await asyncio.to_thread(self._tcp.read)
             if self.round != polled_round:
                 # A new round began while the poll ran: what it read is the ended round's
                 # workers (a stopped one among them), not the new round's.

@@ -7,10 +7,11 @@ each TCP connection's smoothed round trip (``TCP_INFO``) counts the time its seg
 the node's queue.  On the slow node every connection that sends shows it; on a peer, only the
 one connection to that node.  So the agent reads every connection of its node (``ss -tin``:
 netlink ``sock_diag``, nothing asked of the workers) at each heartbeat and reports the median
-round trip over the connections to other hosts that sent data in the last two heartbeats, and
-the lowest: on the slow node even that queues, while a peer's lowest is a connection to a
-healthy node (its median may count its connection to the slow one).  The master compares the
-nodes' lowest readings (:mod:`dlrover_hpc.master.link_slowness`).
+round trip over the connections to other hosts that sent a few segments since the previous
+heartbeat (:data:`MIN_SEGMENTS`), and the lowest: on the slow node even that queues, while a
+peer's lowest is a connection to a healthy node (its median may count its connection to the
+slow one).  The master compares the nodes' lowest readings
+(:mod:`dlrover_hpc.master.link_slowness`).
 """
 
 from __future__ import annotations
@@ -45,10 +46,20 @@ def _host(address: str) -> str:
     return address.rsplit(":", 1)[0].removeprefix("[::ffff:").rstrip("]").lstrip("[")
 
 
-def summarize(text: str, *, recent_ms: float) -> Links:
-    """``ss -tinH`` output -> the median round trip over the established connections to
-    another host that sent data within ``recent_ms`` (idle ones keep an old estimate)."""
-    rtts = []
+#: a connection counts when it sent this many segments since the previous reading: the
+#: kernel's estimate moves by an eighth per acknowledged segment, so a connection that sends
+#: once per heartbeat (the agent's own, to the master) lags the onset by several heartbeats
+MIN_SEGMENTS = 8
+_SEGS = re.compile(r"\bsegs_out:(\d+)")
+
+
+def summarize(
+    text: str, *, recent_ms: float, before: dict[tuple[str, str], int] | None = None
+) -> tuple[Links, dict[tuple[str, str], int]]:
+    """``ss -tinH`` output -> the round trips over the established connections to another
+    host that sent :data:`MIN_SEGMENTS` segments since ``before`` (each connection's
+    segments then; None: that sent within ``recent_ms``), and each connection's segments now."""
+    rtts, segments = [], {}
     lines = text.splitlines()
     for head, info in itertools.pairwise(lines):
         fields = head.split()
@@ -57,13 +68,19 @@ def summarize(text: str, *, recent_ms: float) -> Links:
         local, peer = fields[3], fields[4]
         if peer.startswith(_LOCAL) or _host(local) == _host(peer):
             continue  # the node's own ranks, over loopback or its own address
-        rtt, lastsnd = _RTT.search(info), _LASTSND.search(info)
-        if rtt is None or lastsnd is None or int(lastsnd.group(1)) > recent_ms:
+        rtt, lastsnd, segs = _RTT.search(info), _LASTSND.search(info), _SEGS.search(info)
+        if rtt is None or lastsnd is None or segs is None:
             continue
-        rtts.append(float(rtt.group(1)) / 1000.0)
+        segments[local, peer] = sent = int(segs.group(1))
+        if before is None:
+            busy = int(lastsnd.group(1)) <= recent_ms
+        else:
+            busy = sent - before.get((local, peer), sent) >= MIN_SEGMENTS
+        if busy:
+            rtts.append(float(rtt.group(1)) / 1000.0)
     if not rtts:
-        return Links()
-    return Links(round(statistics.median(rtts), 6), len(rtts), round(min(rtts), 6))
+        return Links(), segments
+    return Links(round(statistics.median(rtts), 6), len(rtts), round(min(rtts), 6)), segments
 
 
 class TcpLinks:
@@ -71,10 +88,12 @@ class TcpLinks:
 
     def __init__(self) -> None:
         self._ss = shutil.which("ss")
+        self._segments: dict[tuple[str, str], int] | None = None
         if self._ss is None:
             log.info("no 'ss' (iproute2) here: no TCP round trips in the heartbeats")
 
-    def read(self, *, recent_s: float) -> Links:
+    def read(self) -> Links:
+        """The connections that sent :data:`MIN_SEGMENTS` segments since the previous read."""
         if self._ss is None:
             return Links()
         try:
@@ -89,4 +108,6 @@ class TcpLinks:
             log.warning("ss failed error=%s: no TCP round trips in the heartbeats", exc)
             self._ss = None
             return Links()
-        return summarize(out, recent_ms=recent_s * 1000.0)
+        first = self._segments is None
+        links, self._segments = summarize(out, recent_ms=0.0, before=self._segments or {})
+        return Links() if first else links
