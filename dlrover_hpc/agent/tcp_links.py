@@ -46,18 +46,19 @@ def _host(address: str) -> str:
     return address.rsplit(":", 1)[0].removeprefix("[::ffff:").rstrip("]").lstrip("[")
 
 
-#: a connection counts when it sent this many segments since the previous reading: the
-#: kernel's estimate moves by an eighth per acknowledged segment, so a connection that sends
-#: once per heartbeat (the agent's own, to the master) lags the onset by several heartbeats
+#: a connection counts when it sent this many data segments since the previous reading: the
+#: kernel's estimate moves by an eighth per acknowledged one, so a connection that sends once
+#: per heartbeat (the agent's own, to the master), or only acknowledgements (a ring's link
+#: from the previous rank), lags the onset by several heartbeats
 MIN_SEGMENTS = 8
-_SEGS = re.compile(r"\bsegs_out:(\d+)")
+_SEGS = re.compile(r"\bdata_segs_out:(\d+)")
 
 
 def summarize(
     text: str, *, recent_ms: float, before: dict[tuple[str, str], int] | None = None
 ) -> tuple[Links, dict[tuple[str, str], int]]:
     """``ss -tinH`` output -> the round trips over the established connections to another
-    host that sent :data:`MIN_SEGMENTS` segments since ``before`` (each connection's
+    host that sent :data:`MIN_SEGMENTS` data segments since ``before`` (each connection's
     segments then; None: that sent within ``recent_ms``), and each connection's segments now."""
     rtts, segments = [], {}
     lines = text.splitlines()
@@ -93,7 +94,7 @@ class TcpLinks:
             log.info("no 'ss' (iproute2) here: no TCP round trips in the heartbeats")
 
     def read(self) -> Links:
-        """The connections that sent :data:`MIN_SEGMENTS` segments since the previous read."""
+        """The connections that sent :data:`MIN_SEGMENTS` data segments since the last read."""
         if self._ss is None:
             return Links()
         try:

@@ -32,13 +32,14 @@ def test_the_median_round_trip_of_the_connections_that_sent(
 
 
 def test_between_two_readings_only_connections_that_sent_segments_count() -> None:
-    """The kernel's estimate moves an eighth per acknowledged segment: a connection that sent
-    one segment since (the agent's own, once per heartbeat) would lag the onset."""
+    """The kernel's estimate moves an eighth per acknowledged data segment: a connection that
+    sent one since (the agent's own, once per heartbeat), or only acknowledgements, would lag
+    the onset."""
     text = (DATA / "ss-tin-slow-egress.txt").read_text()
     _, now = summarize(text, recent_ms=0.0)
     data = ("10.77.7.3:59046", "10.77.7.2:34919")  # node3's gloo data to node2: 68.8 ms
     master = ("10.77.7.3:43106", "10.77.7.1:34185")  # its heartbeats: 22.3 ms
-    assert now[data] == 4604 and now[master] == 1121  # segs_out
+    assert now[data] == 4172 and now[master] == 61  # data_segs_out
     before = {**now, data: now[data] - 40, master: now[master] - 1}
     assert summarize(text, recent_ms=0.0, before=before)[0] == Links(0.068768, 1, 0.068768)
     assert summarize(text, recent_ms=0.0, before=now)[0] == Links()  # nothing sent since
@@ -46,7 +47,7 @@ def test_between_two_readings_only_connections_that_sent_segments_count() -> Non
 
 
 def test_the_nodes_own_ranks_and_lines_that_are_no_connection_count_for_nothing() -> None:
-    info = "\t bbr rtt:90.0/1.0 lastsnd:5 bytes_acked:100 segs_out:9\n"
+    info = "\t bbr rtt:90.0/1.0 lastsnd:5 bytes_acked:100 data_segs_out:9\n"
     text = (
         "ESTAB 0 0 127.0.0.1:5000 127.0.0.1:5001\n"
         + info
@@ -59,8 +60,8 @@ def test_the_nodes_own_ranks_and_lines_that_are_no_connection_count_for_nothing(
         + "ESTAB 0 0 10.77.7.3:5000 10.77.7.4:5004\n"  # no info line after it
         + "ESTAB 0 0 10.77.7.3:5000 10.77.7.2:5005\n\t bbr rtt:3.0/1.0 lastsnd:5\n"
     )
-    assert summarize(text, recent_ms=2000)[0] == Links()  # the last one: no segs_out
-    text = text.replace("lastsnd:5\n", "lastsnd:5 segs_out:9\n")
+    assert summarize(text, recent_ms=2000)[0] == Links()  # the last: no data_segs_out
+    text = text.replace("lastsnd:5\n", "lastsnd:5 data_segs_out:9\n")
     assert summarize(text, recent_ms=2000)[0] == Links(0.003, 1, 0.003)
     assert summarize("", recent_ms=2000) == (Links(), {})
 
