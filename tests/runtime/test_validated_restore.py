@@ -160,7 +160,8 @@ def test_on_slurm_a_step_poisoned_on_one_node_sends_both_nodes_back(
 ) -> None:
     """Two nodes, one rank each (DDP: each node keeps its own copy).  Only node2's copy of
     step 14 holds a NaN and node2's rank dies after saving it: node1's copy is fine, yet
-    neither node trains on step 14; both restore step 12 from their own memory."""
+    neither node trains on step 14; both restore step 12 (node2 from its own memory, node1
+    from its own or, when that buffer was being overwritten, from node2's copy)."""
     job = sbatch(
         shared_tmp,
         2,
@@ -182,14 +183,18 @@ def test_on_slurm_a_step_poisoned_on_one_node_sends_both_nodes_back(
     out = (shared_tmp / f"slurm-{job}.out").read_text()
     assert fields["JobState"] == "COMPLETED", out[-4000:]
     summary = json.loads((shared_tmp / "result.json").read_text())
-    assert summary["restored"] == [12, "memory"] and summary["final_step"] == 20
+    # rank 0 (node1) restores step 12 from its own memory, or, when its buffer of step 12
+    # was already being overwritten by a newer save (seen under CI's load), from node2's copy
+    assert summary["restored"] in ([12, "memory"], [12, "peer"]), summary
+    assert summary["final_step"] == 20, summary
     evs = events(shared_tmp / ".dlrover-hpc" / job)
     rejected = named(evs, "restore_rejected")
     assert [(e["rank"], e["node"], e["step"], e["source"], e["next_step"]) for e in rejected] == [
         (1, "node2", 14, "memory", 12)
     ]
     restored = named(evs, "checkpoint_restored")
-    assert sorted((e["rank"], e["node"], e["step"], e["source"]) for e in restored) == [
-        (0, "node1", 12, "memory"),
-        (1, "node2", 12, "memory"),
-    ]
+    found = sorted((e["rank"], e["node"], e["step"], e["source"]) for e in restored)
+    assert found in (
+        [(0, "node1", 12, "memory"), (1, "node2", 12, "memory")],
+        [(0, "node1", 12, "peer"), (1, "node2", 12, "memory")],
+    ), found
