@@ -28,8 +28,6 @@ import itertools
 import re
 import shlex
 
-import hostlist
-
 from dlrover_hpc.topology.model import (
     Problem,
     ProblemKind,
@@ -42,7 +40,11 @@ from dlrover_hpc.topology.model import (
     natural_sorted,
     sort_problems,
 )
-from dlrover_hpc.topology.slurm_conf import HOSTLIST_EXAMPLE, compress, expand, logical_lines
+from dlrover_hpc.topology.slurm_conf import (
+    compress,
+    expand_names,
+    logical_lines,
+)
 
 KEYS = {"blockname": "BlockName", "nodes": "Nodes", "blocksizes": "BlockSizes"}
 _TREE_KEYS = {"switchname", "switches", "linkspeed"}
@@ -229,35 +231,12 @@ def _block(
 
 
 def _nodes(value: str, source: str, line: int, problems: list[Problem]) -> tuple[str, ...]:
-    if not value:
-        return ()
-    try:
-        names = expand(value)
-    except hostlist.BadHostlist as exc:
-        problems.append(
-            _problem(
-                ProblemKind.BAD_HOSTLIST,
-                source,
-                line,
-                f"malformed hostlist '{value}' in Nodes= ({exc}); write a Slurm hostlist like"
-                f" {HOSTLIST_EXAMPLE}",
-            )
-        )
-        return ()
-    for name in names:
-        reason = bad_name_reason(name)
-        if reason:
-            problems.append(
-                _problem(
-                    ProblemKind.BAD_HOSTLIST,
-                    source,
-                    line,
-                    f"'{name}' in Nodes= is not a valid name ({reason}); write a Slurm hostlist"
-                    f" like {HOSTLIST_EXAMPLE}",
-                )
-            )
-            return ()
-    return tuple(names)
+    """A block's Nodes= hostlist, checked as topology.conf's are (:func:`expand_names`)."""
+
+    def problem(kind: ProblemKind, message: str) -> Problem:
+        return _problem(kind, source, line, message)
+
+    return expand_names(value or None, "Nodes", problem, problems)
 
 
 def check_blocks(topology: Topology, *, empty_ok: bool = False) -> list[Problem]:

@@ -249,13 +249,13 @@ def _build_switch(
                     " write e.g. LinkSpeed=100 or drop it",
                 )
             )
-    nodes = _expand_names(values.get("Nodes"), "Nodes", problem, problems)
-    switches = _expand_names(values.get("Switches"), "Switches", problem, problems)
+    nodes = expand_names(values.get("Nodes"), "Nodes", problem, problems)
+    switches = expand_names(values.get("Switches"), "Switches", problem, problems)
     switch = Switch(name=name, nodes=nodes, switches=switches, link_speed=link_speed, line=line)
     return switch, problems
 
 
-def _expand_names(
+def expand_names(
     value: str | None,
     key: str,
     problem: ProblemMaker,
