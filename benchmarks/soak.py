@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +33,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # the tests' harness: chaos, soaks, ports
 
 from harness.chaos import FaultKind  # noqa: E402
+from harness.isolation import private_mounts, worker_index  # noqa: E402
 from harness.soak import run_soak  # noqa: E402
 
 from dlrover_hpc.localslurm import LocalSlurm, LocalSlurmConfig  # noqa: E402
@@ -58,10 +60,14 @@ def main() -> None:
         help=f"comma-separated fault kinds (default: all of {', '.join(FaultKind)})",
     )
     args = p.parse_args()
-    cluster = LocalSlurm(LocalSlurmConfig(nodes=args.nodes))
+    index = worker_index()  # PYTEST_XDIST_WORKER=gwK: cluster K+1, beside the others' (0: alone)
+    if index:
+        private_mounts()
+    cluster = LocalSlurm(LocalSlurmConfig(nodes=args.nodes, index=index))
+    os.environ["SLURM_CONF"] = str(cluster.config.slurm_conf)
     state = cluster._load_state() or {}
     if cluster.is_up() and state.get("nodes") != cluster.config.node_names():
-        LocalSlurm().down()
+        LocalSlurm(LocalSlurmConfig(index=index)).down()
     cluster.up()
     work = Path(tempfile.mkdtemp(prefix="soak-", dir="/tmp"))
     try:

@@ -615,15 +615,16 @@ HANG_TIMEOUT = Setting(
     "(default auto)",
 )
 #: ``--straggler-factor``: a rank whose compute per step (data, forward, backward, optimizer)
-#: takes this many times its peers' median while they wait for it, for 20 s, is a runtime
-#: straggler (fail-slow; :func:`dlrover_hpc.master.hangs.stragglers`); 0 is off.
+#: takes this many times its peers' mean while they wait for it, over 12 of its steps, is a
+#: runtime straggler; 1.5x over 24 (:mod:`dlrover_hpc.master.step_slowness`); 0 is off.
 STRAGGLER_FACTOR = Setting(
     key="straggler_factor",
     flags=("--straggler-factor",),
     kind=Kind.FLOAT,
     default=2.0,
     help="a rank whose compute per step (data, forward, backward, optimizer) takes this "
-    "many times its peers' median, while they wait for it, for 20 s is reported "
+    "many times its peers', while they wait for it, over 12 of its steps (fewer when "
+    "slower; 1.4x for the default 2, over 30 steps) is reported "
     "(straggler_detected) and its node swapped out at the next checkpoint when a spare "
     "waits or the others are enough (with --exclude-straggler: always); 0: off "
     "(default 2)",

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from dlrover_hpc import environ, injections, jobdir
-from dlrover_hpc.agent import health, promotion, requeue_memory
+from dlrover_hpc.agent import health, promotion, requeue_memory, tcp_links
 from dlrover_hpc.agent import watchdog as wd
 from dlrover_hpc.agent.decisions import Next, Outcome, on_assignment, round_outcome, round_over
 from dlrover_hpc.agent.diagnose import Diagnoser
@@ -106,6 +106,7 @@ class Agent:
         self.workers = WorkerGroup(config, log_dir=log_dir, zygote=self.zygote)
         self.diagnoser = Diagnoser()
         self.watchdog = wd.Watchdog(sample_s=wd.default_sample_s(config.hang_timeout_s))
+        self._tcp = tcp_links.TcpLinks()
         self._tasks: set[asyncio.Task[None]] = set()
         self.link: MasterLink | None = None
         self._lock_fd = -1  # held (close-on-exec) until this process exits
@@ -664,6 +665,9 @@ class Agent:
             running = self.workers.running and self._round_state is m.NodeState.ACTIVE
             polled_round = self.round
             progress = await asyncio.to_thread(self.watchdog.poll) if running else []
+            links = tcp_links.Links()
+            if running:  # the node's TCP round trips: a slow link that is alive (tcp_links)
+                links = await asyncio.to_thread(self._tcp.read)
             if self.round != polled_round:
                 # A new round began while the poll ran: what it read is the ended round's
                 # workers (a stopped one among them), not the new round's.
@@ -671,7 +675,13 @@ class Agent:
             # The round trip of the previous heartbeat: the master compares nodes' to find a
             # slow link (a node whose every packet queues behind a throttled or lossy link).
             beat = m.Heartbeat(
-                agent_id=self.agent_id, round=self.round, progress=progress, rtt_s=rtt_s
+                agent_id=self.agent_id,
+                round=self.round,
+                progress=progress,
+                rtt_s=rtt_s,
+                tcp_rtt_s=links.rtt_s,
+                tcp_links=links.count,
+                tcp_min_rtt_s=links.min_rtt_s,
             )
             sent = time.monotonic()
             try:

@@ -356,6 +356,7 @@ class Watchdog:
                 section = section or r.stack_phase
             stopped_s = self._stopped_for(r, now)
             self._read_work(r, now)
+            timed = progress.timed_at(r.path)
             wall = time.time()
             out.append(
                 m.RankProgress(
@@ -376,6 +377,9 @@ class Watchdog:
                     stopped_s=round(stopped_s, 3),
                     saved_step=_saved_step(r.path),
                     working=r.working and not stopped_s,
+                    timed_steps=timed[0],
+                    compute_total_s=timed[1],
+                    wait_total_s=timed[2],
                 )
             )
         return out

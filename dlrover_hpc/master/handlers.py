@@ -262,7 +262,12 @@ class AgentHandlers:
         rec.disconnected_at, rec.link_timed_out = None, False
         if msg.round == self.job.round and rec.state is NodeState.ACTIVE:
             if self.hangs is not None:
-                self.hangs.heartbeat(rec.node, msg.progress, rtt_s=msg.rtt_s)
+                self.hangs.heartbeat(
+                    rec.node,
+                    msg.progress,
+                    rtt_s=msg.rtt_s,
+                    tcp_rtt_s=(msg.tcp_rtt_s, msg.tcp_min_rtt_s, msg.tcp_links),
+                )
             self._progress(rec, msg.progress)
         return m.HeartbeatReply(
             round=self.job.round,

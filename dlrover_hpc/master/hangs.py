@@ -57,6 +57,7 @@ from dlrover_hpc.master.hang_bounds import (
     warmup_bound,
 )
 from dlrover_hpc.master.job import Job
+from dlrover_hpc.master.link_slowness import TcpLinks
 from dlrover_hpc.master.nodes import NodeState
 from dlrover_hpc.master.phases import Phase
 from dlrover_hpc.master.slowness import (
@@ -67,15 +68,14 @@ from dlrover_hpc.master.slowness import (
     MIN_SAMPLES,
     MIN_WINDOW_S,
     SAMPLE_WINDOW_S,
-    SLOW_SHARE,
     STRAGGLER_CHECK_S,
     STRAGGLER_WINDOW_S,
     Slow,
-    _still_slow,
     evidence_window,
     slow_links,
     stragglers,
 )
+from dlrover_hpc.master.step_slowness import StepSlowness
 from dlrover_hpc.protocol import messages as m
 
 #: the rules live in hang_bounds and slowness; their names stay importable from here
@@ -94,7 +94,6 @@ __all__ = [
     "P99_MARGIN_S",
     "SAMPLE_WINDOW_S",
     "SECTION_BOUNDS_S",
-    "SLOW_SHARE",
     "STOPPED_BOUND_S",
     "STRAGGLER_CHECK_S",
     "STRAGGLER_WINDOW_S",
@@ -141,10 +140,8 @@ class HangWatch:
         self._ids = itertools.count(1)
         self._waiting: dict[int, tuple[set[str], list[m.RankStackRow], asyncio.Event]] = {}
         self.hangs_by_node: dict[str, int] = {}
-        #: rank -> (check time, the ratio found; 0: not slow) of the checks since it was first
-        #: found slow
-        self._slow_checks: dict[int, collections.deque[tuple[float, float]]] = {}
-        self._samples: dict[int, collections.deque[tuple[float, float, float]]] = {}
+        self._steps = StepSlowness()  # the ranks' timed steps, counted (fail-slow)
+        self._tcp = TcpLinks()  # the nodes' TCP round trips (a slow link that is alive)
         self._rtts: dict[str, collections.deque[tuple[float, float]]] = {}  # node -> (at, rtt)
         #: master clock of the round's first report; 0: none yet; None: its warm-up is measured
         self._round_began: float | None = 0.0
@@ -186,8 +183,8 @@ class HangWatch:
             self._seen.clear()
             self._stopped.clear()
             self._newest = None
-            self._slow_checks.clear()
-            self._samples.clear()
+            self._steps.clear()
+            self._tcp.clear()
             self._reported.clear()
             self._rtts.clear()
             self._link_since.clear()
@@ -198,7 +195,12 @@ class HangWatch:
             self._stall_reported = False
 
     def heartbeat(
-        self, rec_node: str, progress: Sequence[m.RankProgress], *, rtt_s: float = 0.0
+        self,
+        rec_node: str,
+        progress: Sequence[m.RankProgress],
+        *,
+        rtt_s: float = 0.0,
+        tcp_rtt_s: tuple[float, float, int] = (0.0, 0.0, 0),
     ) -> None:
         self._new_round()
         now = self.job.clock()
@@ -206,6 +208,8 @@ class HangWatch:
             self._round_began = now
         if rtt_s > 0:
             self._rtts.setdefault(rec_node, collections.deque(maxlen=16)).append((now, rtt_s))
+        if tcp_rtt_s[0] > 0:  # the median, the lowest, how many (agent/tcp_links.py)
+            self._tcp.sample(rec_node, now, *tcp_rtt_s)
         for p in progress:
             old = self._seen.get(p.rank)
             self._seen[p.rank] = _Seen(p, rec_node, now)
@@ -214,9 +218,13 @@ class HangWatch:
                 self._stopped.add(p.rank)
             else:
                 self._stopped.discard(p.rank)
-            if p.compute_s > 0 and (old is None or old.progress.at != p.at):  # a new step
-                samples = self._samples.setdefault(p.rank, collections.deque(maxlen=16))
-                samples.append((now, p.compute_s, p.wait_s))
+            new_step = p.compute_s > 0 and (old is None or old.progress.at != p.at)
+            self._steps.report(
+                p.rank,
+                now,
+                totals=(p.timed_steps, p.compute_total_s, p.wait_total_s),
+                step=(p.compute_s, p.wait_s) if new_step else None,
+            )
 
     def stacks_dumped(self, msg: m.StacksDumped) -> m.Ack:
         waiting = self._waiting.get(msg.request_id)
@@ -251,8 +259,8 @@ class HangWatch:
             # Fail-slow evidence starts now: while the workers start, an agent busy spawning
             # them answers its heartbeats late, and the first steps are uneven (a CI run saw
             # a "slow link" 3 s after its workers started, from round trips of their start).
-            self._samples.clear()
-            self._slow_checks.clear()
+            self._steps.clear()
+            self._tcp.clear()
             self._rtts.clear()
             self._link_since.clear()
         if complete and self._exit_phase(now):
@@ -280,7 +288,10 @@ class HangWatch:
             self._task = asyncio.get_running_loop().create_task(self._hang(bound))
             return
         warmed = self._round_began is None
-        if self.straggler_factor and warmed and now - self._stragglers_checked >= STRAGGLER_CHECK_S:
+        # every second at the default heartbeats, at most every half heartbeat beyond: a check
+        # is a pass over every rank (32,768 at 4,096 nodes), and finds news only after them
+        every_s = min(STRAGGLER_CHECK_S, max(1.0, job.config.heartbeat_every_s / 2))
+        if self.straggler_factor and warmed and now - self._stragglers_checked >= every_s:
             self._stragglers_checked = now
             self._check_stragglers(now)
         self._swap_if_saved()
@@ -394,27 +405,12 @@ class HangWatch:
         )
 
     def _check_stragglers(self, now: float) -> None:
-        timings = {}
-        for rank, samples in self._samples.items():
-            recent = [(c, w) for at, c, w in samples if now - at <= SAMPLE_WINDOW_S]
-            if len(recent) >= MIN_SAMPLES:
-                timings[rank] = (
-                    statistics.median(c for c, _ in recent),
-                    statistics.median(w for _, w in recent),
-                )
-        slow = stragglers(timings, self.straggler_factor)
-        for rank, checks in list(self._slow_checks.items()):
-            checks.append((now, slow[rank].ratio if rank in slow else 0.0))
-            if not _still_slow(checks, now):
-                del self._slow_checks[rank]  # the episode ended: its window starts again
-        for rank, found in slow.items():
-            checks = self._slow_checks.setdefault(
-                rank, collections.deque([(now, found.ratio)], maxlen=64)
-            )
-            since = checks[0][0]
-            window = evidence_window([r for _, r in checks if r > 0], self.straggler_factor)
-            if now - since < window or rank in self._reported:
+        timings, slow, proven = self._steps.check(now, self.straggler_factor)
+        for rank in proven:
+            if rank in self._reported:
                 continue
+            found, episode = slow[rank], self._steps.episodes[rank]
+            since = episode.since
             self._reported.add(rank)
             seen = self._seen.get(rank)
             if seen is None:
@@ -447,6 +443,7 @@ class HangWatch:
                 peers_compute_s=round(found.peers_compute_s, 4),
                 peers_wait_s=round(found.peers_wait_s, 4),
                 slow_for_s=round(now - since, 1),
+                slow_steps=episode.steps,
                 evidence=evidence,
                 action="swap at the next checkpoint"
                 if swap
@@ -475,31 +472,52 @@ class HangWatch:
         for node, found in slow.items():
             since, ratios = self._link_since.setdefault(node, (now, collections.deque(maxlen=64)))
             ratios.append(found.ratio)
-            if now - since < evidence_window(ratios, LINK_FACTOR) or node in self._reported_links:
+            if now - since < evidence_window(ratios, LINK_FACTOR):
                 continue
-            self._reported_links.add(node)
-            ranks = sorted(r for r, s in self._seen.items() if s.node == node)
-            log.warning(
-                "slow link node=%s rtt=%.4fs peers=%.4fs",
-                node,
-                found.compute_s,
-                found.peers_compute_s,
-            )
-            swap = self._swap_wanted()
-            self.job.emit(
-                EventName.STRAGGLER_DETECTED,
-                node=node,
-                rank=ranks[0] if ranks else -1,
-                cause="link",
-                ratio=found.ratio,
-                rtt_s=round(found.compute_s, 4),
-                peers_rtt_s=round(found.peers_compute_s, 4),
-                slow_for_s=round(now - since, 1),
-                evidence={n: {"rtt_s": round(r, 4)} for n, r in sorted(rtts.items())[:64]},
-                action="swap at the next checkpoint" if swap else "reported",
-            )
-            if swap:
-                self._plan_swap(node)
+            evidence = {n: {"rtt_s": round(r, 4)} for n, r in sorted(rtts.items())[:64]}
+            self._slow_link(node, found, round(now - since, 1), evidence, "heartbeat")
+        # The kernel's round trips of the nodes' TCP connections: strong at the first readings
+        tcp, slow = self._tcp.check(now, self.job.config.heartbeat_every_s)
+        for node, found in slow.items():
+            evidence = {
+                n: {"tcp_rtt_s": round(r, 4), "tcp_min_rtt_s": round(low, 4)}
+                for n, (r, low) in sorted(tcp.items())[:64]
+            }
+            since = self._tcp.samples[node][0][0]  # the oldest of the readings it rests on
+            self._slow_link(node, found, round(now - since, 1), evidence, "tcp")
+
+    def _slow_link(
+        self, node: str, found: Slow, slow_for_s: float, evidence: dict, measured: str
+    ) -> None:
+        """Says (once per node and round) that the node's link is slow; swaps it when a
+        straggler's node may go."""
+        if node in self._reported_links:
+            return
+        self._reported_links.add(node)
+        ranks = sorted(r for r, s in self._seen.items() if s.node == node)
+        log.warning(
+            "slow link node=%s rtt=%.4fs peers=%.4fs (%s round trips)",
+            node,
+            found.compute_s,
+            found.peers_compute_s,
+            measured,
+        )
+        swap = self._swap_wanted()
+        self.job.emit(
+            EventName.STRAGGLER_DETECTED,
+            node=node,
+            rank=ranks[0] if ranks else -1,
+            cause="link",
+            ratio=found.ratio,
+            rtt_s=round(found.compute_s, 4),
+            peers_rtt_s=round(found.peers_compute_s, 4),
+            measured=measured,
+            slow_for_s=slow_for_s,
+            evidence=evidence,
+            action="swap at the next checkpoint" if swap else "reported",
+        )
+        if swap:
+            self._plan_swap(node)
 
     def straggler_nodes(self) -> list[str]:
         """The nodes of the stragglers reported in this round (and slow links), sorted."""
@@ -655,8 +673,8 @@ class HangWatch:
                 )
         finally:
             self._seen.clear()
-            self._samples.clear()
-            self._slow_checks.clear()
+            self._steps.clear()
+            self._tcp.clear()
             self._busy = False
 
 

@@ -18,12 +18,8 @@ STRAGGLER_WINDOW_S = 20.0
 #: was found 20 s after its first slow check; every one of those seconds is a quarter step
 #: for every rank of the job).  See :func:`evidence_window`.
 MIN_WINDOW_S = 8.0
-#: ... in this share of the checks of that window, not every one: a throttled rank's medians
-#: are noisy (a check that misses it must not start the window again; in a soak one did, and
-#: a node at a quarter speed went 88 s unreported).
-SLOW_SHARE = 0.75
 SAMPLE_WINDOW_S = 15.0
-STRAGGLER_CHECK_S = 2.0  # compare ranks this often (linear in the ranks)
+STRAGGLER_CHECK_S = 2.0  # compare ranks at most this seldom (linear in the ranks; hangs.py)
 MIN_SAMPLES = 3
 MIN_EXTRA_S = 0.02  # a straggler's compute exceeds its peers' by this much at least
 #: A slow link: a node whose heartbeats take this many times its peers' median round trip,
@@ -90,17 +86,6 @@ def evidence_window(ratios: Sequence[float], threshold: float) -> float:
         return STRAGGLER_WINDOW_S
     strength = statistics.median(ratios) / threshold
     return max(MIN_WINDOW_S, STRAGGLER_WINDOW_S / max(1.0, strength))
-
-
-def _still_slow(checks: Sequence[tuple[float, float]], now: float) -> bool:
-    """A straggler episode goes on (``checks``: each check's time and the ratio it found, 0
-    when it did not find the rank slow, from the first that did): at least
-    :data:`SLOW_SHARE` of the checks of the last :data:`STRAGGLER_WINDOW_S` found it, once
-    there are four; never two misses in a row."""
-    recent = [ratio > 0 for at, ratio in checks if now - at <= STRAGGLER_WINDOW_S]
-    if len(recent) >= 2 and not recent[-1] and not recent[-2]:
-        return False
-    return len(recent) < 4 or sum(recent) >= SLOW_SHARE * len(recent)
 
 
 def slow_links(rtts: dict[str, float], *, factor: float = LINK_FACTOR) -> dict[str, Slow]:

@@ -157,6 +157,11 @@ class RankProgress:
     saved_step: int = -1  # the newest step it saved to memory (flash checkpoint; -1: none)
     #: it (and its children) computed over the agent's last CPU reading: busy, not blocked
     working: bool = False
+    #: its timed steps so far (past the warm-up, overlapping no section) and the sums of their
+    #: compute and wait seconds: the master's fail-slow check takes the means between reports
+    timed_steps: int = 0
+    compute_total_s: float = 0.0
+    wait_total_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -166,6 +171,12 @@ class Heartbeat(Message):
     round: int
     progress: list[RankProgress] = dataclasses.field(default_factory=list)
     rtt_s: float = 0.0  # how long the agent's previous heartbeat took to be answered (0: none)
+    #: the median smoothed round trip (the kernel's TCP_INFO) of the node's TCP connections to
+    #: other hosts that sent data since the previous heartbeat (0: none, or not read here);
+    #: a node whose egress is rate-limited queues every packet (:mod:`dlrover_hpc.agent.tcp_links`)
+    tcp_rtt_s: float = 0.0
+    tcp_links: int = 0  # how many connections that median is over
+    tcp_min_rtt_s: float = 0.0  # the lowest of their round trips
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -53,6 +53,11 @@ _SECTION = struct.Struct("<24sdd")  # name (empty: none), since (wall clock), bo
 _SECTION_AT = 96
 _SAVED = struct.Struct("<q")  # 1 + the newest step the rank saved to memory (0: none yet)
 _SAVED_AT = 136
+#: The rank's timed steps (past the warm-up, overlapping no section) and the sums of their
+#: compute and wait seconds: the master takes the means over every step between two
+#: heartbeats, not the one step a heartbeat happens to see (fail-slow, issue 50)
+_TIMED = struct.Struct("<qdd")
+_TIMED_AT = 144
 
 #: Step times kept for the p99; the first steps of a process (warm-up) are not among them.
 STEP_WINDOW, WARMUP_STEPS, MIN_STEPS = 100, 2, 5
@@ -102,6 +107,7 @@ class _Reporter:
         self._sections: list[tuple[int, str, float, float]] = []  # (token, name, since, bound)
         self._tokens = 0
         self._since_sort = 0
+        self._timed = (0, 0.0, 0.0)  # steps, compute and wait seconds (see _TIMED)
         self._lock = threading.Lock()  # sections may open and close on other threads
         self._forked = False  # a child forked after the rank opened its record (data loader)
         self.clock = time.monotonic  # tests set their own
@@ -123,9 +129,13 @@ class _Reporter:
         if not self._opened():  # progress must never break training
             return
         now = self.clock()
+        timed = False
         if step == self.step + 1 and self._last_at:
             self._steps_seen += 1
             if self._steps_seen > WARMUP_STEPS and not self._sectioned:
+                if compute_s > 0:
+                    n, compute, wait = self._timed
+                    self._timed, timed = (n + 1, compute + compute_s, wait + wait_s), True
                 self._times.append(now - self._last_at)
                 self._since_sort += 1
                 if len(self._times) >= MIN_STEPS and (self._since_sort >= 10 or not self._p99):
@@ -139,6 +149,8 @@ class _Reporter:
         )
         with contextlib.suppress(OSError):  # progress must never break training
             os.pwrite(self.fd, record, 0)
+            if timed:
+                os.pwrite(self.fd, _TIMED.pack(*self._timed), _TIMED_AT)
 
     def enter(self, name: str, bound_s: float) -> int:
         with self._lock:
@@ -309,6 +321,13 @@ def saved_at(path: str | os.PathLike[str]) -> int | None:
         return None
     (value,) = fields
     return value - 1 if value > 0 else None
+
+
+def timed_at(path: str | os.PathLike[str]) -> tuple[int, float, float]:
+    """The rank's timed steps and the sums of their compute and wait seconds (see
+    :data:`_TIMED`); zeros while there are none."""
+    fields = _read_at(path, _TIMED, _TIMED_AT)
+    return (0, 0.0, 0.0) if fields is None else fields
 
 
 def stopped_at(path: str | os.PathLike[str]) -> int | None:

@@ -47,6 +47,25 @@ def test_the_p99_leaves_out_warm_up_and_steps_that_overlap_a_section(record: str
     assert got.p99_s == pytest.approx(0.7)  # neither the 50 s, the 20 s nor the 90 s step
 
 
+def test_the_timed_steps_sums_leave_out_warm_up_and_steps_that_overlap_a_section(
+    record: str,
+) -> None:
+    """What the master's fail-slow check takes the means of (issue 50)."""
+    assert progress.timed_at(record) == (0, 0.0, 0.0)  # no record yet
+    progress.step(0, compute_s=30.0)
+    progress.step(compute_s=20.0, wait_s=1.0)  # warm-up: never counted
+    progress.step(compute_s=9.0, wait_s=9.0)
+    assert progress.timed_at(record) == (0, 0.0, 0.0)
+    for _ in range(4):
+        progress.step(compute_s=0.25, wait_s=0.5)
+    with progress.section("eval"):
+        progress.step(compute_s=90.0)  # overlaps the evaluation
+    progress.step(compute_s=50.0)  # a section was open since the step before
+    progress.step(compute_s=0.25, wait_s=0.5)
+    progress.step()  # a step with no timing (progress.step() by the script)
+    assert progress.timed_at(record) == (5, 1.25, 2.5)
+
+
 def test_sections_nest_and_the_innermost_one_is_written(record: str) -> None:
     assert progress.read_section(record) is None
     before = time.time()

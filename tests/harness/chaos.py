@@ -175,7 +175,7 @@ class Chaos:
                         return next(iter(training_pids(self.cluster, self.job_id, node)), None)
 
                     args = (pids[0], find, stop)
-                    threading.Thread(target=_throttle, args=args, daemon=True).start()
+                    threading.Thread(target=throttle, args=args, daemon=True).start()
             case FaultKind.LINK_SLOW:
                 self.cluster.slow_link(node, rate=LINK_SLOW_RATE)
         self.log.append({"time": time.time(), "kind": fault.kind.value, "node": node})
@@ -223,22 +223,29 @@ def training_pids(cluster: LocalSlurm, job_id: str, node: str) -> list[int]:
     return []
 
 
-def _throttle(pid: int | None, find: Callable[[], int | None], stop: threading.Event) -> None:
-    """Runs ``pid`` :data:`SLOW_ON_S` of every :data:`SLOW_PERIOD_S` until ``stop``.  The node
-    is what is slow, not the process: when it ends (the job restarted its workers), the node's
-    next training process (``find``) is throttled in its place, if the node trains again."""
+def throttle(
+    pid: int | None,
+    find: Callable[[], int | None],
+    stop: threading.Event,
+    *,
+    on_s: float = SLOW_ON_S,
+    period_s: float = SLOW_PERIOD_S,
+) -> None:
+    """Runs ``pid`` ``on_s`` of every ``period_s`` until ``stop``.  The node is what is slow,
+    not the process: when it ends (the job restarted its workers), the node's next training
+    process (``find``) is throttled in its place, if the node trains again."""
     while not stop.is_set():
         if pid is None and (pid := find()) is None:
-            stop.wait(SLOW_PERIOD_S)  # no training process there (between rounds, benched)
+            stop.wait(period_s)  # no training process there (between rounds, benched)
             continue
         try:
             os.kill(pid, signal.SIGCONT)
-            time.sleep(SLOW_ON_S)
+            time.sleep(on_s)
             os.kill(pid, signal.SIGSTOP)
         except OSError:  # it ended
             pid = None
             continue
-        stop.wait(SLOW_PERIOD_S - SLOW_ON_S)
+        stop.wait(period_s - on_s)
     if pid is not None:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGCONT)

@@ -100,7 +100,7 @@ def test_a_slow_node_throttles_the_next_training_process_once_the_first_ended() 
     current = {"pid": None}  # no training process found at first, between two rounds
     stop = threading.Event()
     thread = threading.Thread(
-        target=chaos._throttle, args=(first.pid, lambda: current["pid"], stop), daemon=True
+        target=chaos.throttle, args=(first.pid, lambda: current["pid"], stop), daemon=True
     )
     try:
         thread.start()
