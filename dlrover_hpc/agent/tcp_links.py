@@ -5,31 +5,66 @@ local Slurm ``tc tbf``) loses no packet: every one is acknowledged, late.  Its w
 times say nothing about it, as every rank waits for it in the all-reduce.  The kernel does:
 each TCP connection's smoothed round trip (``TCP_INFO``) counts the time its segments wait in
 the node's queue.  On the slow node every connection that sends shows it; on a peer, only the
-one connection to that node.  So the agent reads every connection of its node (``ss -tin``:
-netlink ``sock_diag``, nothing asked of the workers) at each heartbeat and reports the median
-round trip over the connections to other hosts that sent a few segments since the previous
-heartbeat (:data:`MIN_SEGMENTS`), and the lowest: on the slow node even that queues, while a
-peer's lowest is a connection to a healthy node (its median may count its connection to the
-slow one).  The master compares the nodes' lowest readings
+one connection to that node.  So the agent reads every connection of its node at each
+heartbeat and reports the median round trip over the connections to other hosts that sent a
+few segments since the previous heartbeat (:data:`MIN_SEGMENTS`), and the lowest: on the slow
+node even that queues, while a peer's lowest is a connection to a healthy node (its median
+may count its connection to the slow one).  The master compares the nodes' lowest readings
 (:mod:`dlrover_hpc.master.link_slowness`).
+
+The connections are read in this process over netlink (``sock_diag``, what ``ss -tin`` asks),
+never by starting ``ss``: a forked child closes the agent's inherited descriptors, and on a
+FUSE or NFS mount each close is a flush that waits for the server.  While storage hangs, the
+child would hang before it ran, and the heartbeat with it (a node reported lost for its
+storage).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import errno
+import ipaddress
 import logging
-import re
-import shutil
+import socket
 import statistics
-import subprocess
+import struct
 
 log = logging.getLogger(__name__)
 
-SS_TIMEOUT_S = 2.0
-_RTT = re.compile(r"\brtt:([0-9.]+)/")
-_LASTSND = re.compile(r"\blastsnd:(\d+)")
-_LOCAL = ("127.", "[::1]", "[::ffff:127.")
+#: a connection counts when it sent this many data segments since the previous reading: the
+#: kernel's estimate moves by an eighth per acknowledged one, so a connection that sends once
+#: per heartbeat (the agent's own, to the master), or only acknowledgements (a ring's link
+#: from the previous rank), lags the onset by several heartbeats
+MIN_SEGMENTS = 8
+NETLINK_TIMEOUT_S = 2.0
+
+# <linux/netlink.h>, <linux/sock_diag.h>, <linux/inet_diag.h>, <linux/tcp.h>
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DIAG_BY_FAMILY = 20
+_NLM_F_REQUEST_DUMP = 0x001 | 0x300
+_NLMSG_ERROR, _NLMSG_DONE = 2, 3
+_INET_DIAG_INFO = 2
+_TCP_ESTABLISHED = 1
+_NLMSG = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
+_REQ = struct.Struct("=BBBBI48x")  # inet_diag_req_v2: family, protocol, ext, pad, states, id
+_MSG = struct.Struct("=BBBB2s2s16s16s")  # inet_diag_msg: family .. the sockid's addresses
+_MSG_SIZE = 72  # inet_diag_msg: 4 + its 48-byte sockid + expires, queues, uid, inode
+_RTA = struct.Struct("=HH")  # rtattr: len, type
+# struct tcp_info: tcpi_last_data_sent (ms ago), tcpi_rtt (us), tcpi_data_segs_out (Linux 4.6)
+_U32 = struct.Struct("=I")
+_AT_LAST_DATA_SENT, _AT_RTT, _AT_DATA_SEGS_OUT = 44, 68, 156
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Conn:
+    """One established connection: its ends (``host:port``), the kernel's smoothed round trip,
+    how long ago it last sent data and how many data segments it sent in all."""
+
+    local: str
+    peer: str
+    rtt_us: int
+    last_data_sent_ms: int
+    data_segs_out: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,72 +78,128 @@ class Links:
 
 
 def _host(address: str) -> str:
-    return address.rsplit(":", 1)[0].removeprefix("[::ffff:").rstrip("]").lstrip("[")
+    return address.rsplit(":", 1)[0].strip("[]")
 
 
-#: a connection counts when it sent this many data segments since the previous reading: the
-#: kernel's estimate moves by an eighth per acknowledged one, so a connection that sends once
-#: per heartbeat (the agent's own, to the master), or only acknowledgements (a ring's link
-#: from the previous rank), lags the onset by several heartbeats
-MIN_SEGMENTS = 8
-_SEGS = re.compile(r"\bdata_segs_out:(\d+)")
+def _is_loopback(host: str) -> bool:
+    return ipaddress.ip_address(host).is_loopback
 
 
 def summarize(
-    text: str, *, recent_ms: float, before: dict[tuple[str, str], int] | None = None
+    conns: list[Conn], *, recent_ms: float, before: dict[tuple[str, str], int] | None = None
 ) -> tuple[Links, dict[tuple[str, str], int]]:
-    """``ss -tinH`` output -> the round trips over the established connections to another
-    host that sent :data:`MIN_SEGMENTS` data segments since ``before`` (each connection's
-    segments then; None: that sent within ``recent_ms``), and each connection's segments now."""
+    """The round trips over the established connections to another host that sent
+    :data:`MIN_SEGMENTS` data segments since ``before`` (each connection's segments then; None:
+    that sent within ``recent_ms``), and each connection's segments now."""
     rtts, segments = [], {}
-    lines = text.splitlines()
-    for head, info in itertools.pairwise(lines):
-        fields = head.split()
-        if len(fields) < 5 or fields[0] != "ESTAB" or not info[:1].isspace():
-            continue
-        local, peer = fields[3], fields[4]
-        if peer.startswith(_LOCAL) or _host(local) == _host(peer):
+    for c in conns:
+        host = _host(c.local)
+        if _is_loopback(_host(c.peer)) or host == _host(c.peer):
             continue  # the node's own ranks, over loopback or its own address
-        rtt, lastsnd, segs = _RTT.search(info), _LASTSND.search(info), _SEGS.search(info)
-        if rtt is None or lastsnd is None or segs is None:
-            continue
-        segments[local, peer] = sent = int(segs.group(1))
+        segments[c.local, c.peer] = c.data_segs_out
         if before is None:
-            busy = int(lastsnd.group(1)) <= recent_ms
+            busy = c.last_data_sent_ms <= recent_ms
         else:
-            busy = sent - before.get((local, peer), sent) >= MIN_SEGMENTS
+            busy = c.data_segs_out - before.get((c.local, c.peer), c.data_segs_out) >= MIN_SEGMENTS
         if busy:
-            rtts.append(float(rtt.group(1)) / 1000.0)
+            rtts.append(c.rtt_us / 1e6)
     if not rtts:
         return Links(), segments
     return Links(round(statistics.median(rtts), 6), len(rtts), round(min(rtts), 6)), segments
 
 
+def _address(family: int, raw: bytes, port: bytes) -> str:
+    if family == socket.AF_INET:
+        host = socket.inet_ntop(socket.AF_INET, raw[:4])
+    else:
+        ip = ipaddress.IPv6Address(raw)
+        if ip.ipv4_mapped is None:
+            return f"[{ip}]:{int.from_bytes(port, 'big')}"
+        host = str(ip.ipv4_mapped)  # a dual-stack socket's IPv4 peer, as IPv4
+    return f"{host}:{int.from_bytes(port, 'big')}"
+
+
+def parse_dump(data: bytes) -> tuple[list[Conn], bool]:
+    """One ``recv`` of a ``SOCK_DIAG_BY_FAMILY`` dump -> its connections, and whether the dump
+    ended in it.  A kernel's error answer raises :class:`OSError` with its errno."""
+    conns, off, done = [], 0, False
+    while off + _NLMSG.size <= len(data):
+        length, kind = _NLMSG.unpack_from(data, off)[:2]
+        if length < _NLMSG.size or off + length > len(data):
+            raise OSError(errno.EBADMSG, f"a netlink message of {length} bytes at {off}")
+        body, off = data[off + _NLMSG.size : off + length], off + ((length + 3) & ~3)
+        if kind == _NLMSG_DONE:
+            done = True
+            break
+        if kind == _NLMSG_ERROR:
+            code = -struct.unpack_from("=i", body)[0]
+            raise OSError(code, f"sock_diag: {errno.errorcode.get(code, code)}")
+        if kind != _SOCK_DIAG_BY_FAMILY or len(body) < _MSG_SIZE:
+            continue
+        family, _state, _, _, sport, dport, src, dst = _MSG.unpack_from(body)
+        info, at = None, _MSG_SIZE
+        while at + _RTA.size <= len(body):
+            rta_len, rta_type = _RTA.unpack_from(body, at)
+            if rta_len < _RTA.size:
+                break
+            if rta_type == _INET_DIAG_INFO:
+                info = body[at + _RTA.size : at + rta_len]
+            at += (rta_len + 3) & ~3
+        if info is None or len(info) < _AT_DATA_SEGS_OUT + 4:
+            continue  # no tcp_info, or one from before Linux 4.6 (no data_segs_out)
+        conns.append(
+            Conn(
+                local=_address(family, src, sport),
+                peer=_address(family, dst, dport),
+                rtt_us=_U32.unpack_from(info, _AT_RTT)[0],
+                last_data_sent_ms=_U32.unpack_from(info, _AT_LAST_DATA_SENT)[0],
+                data_segs_out=_U32.unpack_from(info, _AT_DATA_SEGS_OUT)[0],
+            )
+        )
+    return conns, done
+
+
+def connections() -> list[Conn]:
+    """This network namespace's established TCP connections (IPv4 and IPv6), from the kernel."""
+    conns: list[Conn] = []
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as sock:
+        sock.settimeout(NETLINK_TIMEOUT_S)
+        for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), start=1):
+            req = _REQ.pack(
+                family, socket.IPPROTO_TCP, 1 << (_INET_DIAG_INFO - 1), 0, 1 << _TCP_ESTABLISHED
+            )
+            sock.send(
+                _NLMSG.pack(
+                    _NLMSG.size + len(req), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST_DUMP, seq, 0
+                )
+                + req
+            )
+            done = False
+            while not done:
+                part, done = parse_dump(sock.recv(1 << 16))
+                conns.extend(part)
+    return conns
+
+
 class TcpLinks:
-    """Reads the node's connections with ``ss``; reports nothing where it cannot run."""
+    """Reads the node's connections; reports nothing where the kernel will not tell."""
 
     def __init__(self) -> None:
-        self._ss = shutil.which("ss")
         self._segments: dict[tuple[str, str], int] | None = None
-        if self._ss is None:
-            log.info("no 'ss' (iproute2) here: no TCP round trips in the heartbeats")
+        self._failed = False
 
     def read(self) -> Links:
         """The connections that sent :data:`MIN_SEGMENTS` data segments since the last read."""
-        if self._ss is None:
+        if self._failed:
             return Links()
         try:
-            out = subprocess.run(
-                [self._ss, "-tinH"],
-                capture_output=True,
-                text=True,
-                timeout=SS_TIMEOUT_S,
-                check=True,
-            ).stdout
-        except (OSError, subprocess.SubprocessError) as exc:
-            log.warning("ss failed error=%s: no TCP round trips in the heartbeats", exc)
-            self._ss = None
+            conns = connections()
+        except OSError as exc:  # no sock_diag (a kernel without it, a sandbox that denies it)
+            log.warning(
+                "cannot read TCP connections error=%s: no TCP round trips in the heartbeats", exc
+            )
+            self._failed = True
             return Links()
         first = self._segments is None
-        links, self._segments = summarize(out, recent_ms=0.0, before=self._segments or {})
+        links, self._segments = summarize(conns, recent_ms=0.0, before=self._segments or {})
         return Links() if first else links
