@@ -62,9 +62,15 @@ first = not os.path.exists(marker)
 resumed = os.path.join(os.path.dirname(marker), "resumed.json")
 
 
+def write_json(path, record):
+    # whole or not at all: the harness reads the file as soon as it appears
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+
+
 def hang_now():
-    with open(marker, "w") as f:
-        json.dump({"time": time.time(), "kind": kind}, f)
+    write_json(marker, {"time": time.time(), "kind": kind})
 
 
 class Samples(Dataset):
@@ -105,8 +111,7 @@ for x in DataLoader(Samples(), batch_size=1, num_workers=1):
     opt.step()
     loss.item()  # the loss logged each step: the host waits for the step's collectives
     if not first and rank == 0 and not os.path.exists(resumed):
-        with open(resumed, "w") as f:
-            json.dump({"time": time.time(), "step": step}, f)
+        write_json(resumed, {"time": time.time(), "step": step})
 """
 
 
