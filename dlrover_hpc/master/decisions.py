@@ -392,12 +392,14 @@ def capacity(
     if alive >= params.max_nodes and cap.failures:
         cap = dataclasses.replace(cap, failures=0, retry_at=0.0)  # full again: start afresh
     wanted = cap.losses > cap.replaced and alive < params.max_nodes
-    if wanted and can_replace and not judging and now >= cap.retry_at:
+    count = replacement_count(alive, cap.failures, params)
+    # A loss is settled only by a request: while nothing is to be asked for (a relaunch in
+    # flight counts as alive; after a refusal, one node fewer) it stays owed, so a relaunch
+    # that fails, or a later loss, asks then.
+    if wanted and count > 0 and can_replace and not judging and now >= cap.retry_at:
         cap = dataclasses.replace(cap, replaced=cap.losses)
-        count = replacement_count(alive, cap.failures, params)
         held = {n.node for n in records if n.state in USABLE or n.state is NodeState.BENCHED}
-        if count > 0:
-            actions.append(RequestReplacement(count, tuple(sorted(held | set(excluded_nodes)))))
+        actions.append(RequestReplacement(count, tuple(sorted(held | set(excluded_nodes)))))
     if alive >= params.min_nodes:
         return dataclasses.replace(cap, below_min_since=None), actions
     if cap.below_min_since is None:

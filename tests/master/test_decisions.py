@@ -281,6 +281,19 @@ def test_capacity_replaces_once_judging_ends_without_a_relaunch() -> None:
     assert actions == [d.RequestReplacement(1, ("bad", "n0", "n1", "n2"))]
 
 
+def test_a_loss_while_a_relaunch_is_in_flight_is_replaced_once_the_relaunch_fails() -> None:
+    """Soak seed 1: after a refusal (one node fewer to ask for), a node lost while its agent
+    was being relaunched counted as alive; the loss must still be owed when the relaunch
+    fails, not settled by a request for 0 nodes (the job waited 300 s at 2 of MIN 3 and was
+    requeued)."""
+    cap = d.Capacity(losses=3, replaced=2, failures=1)  # MIN 2, MAX 4
+    cap, actions = _capacity(cap, [A, A, LOST, LOST], relaunching=1)  # 3 alive: ask for 0
+    assert actions == [] and cap.losses > cap.replaced
+    cap, actions = _capacity(cap, [A, LOST, LOST, LOST])  # the relaunch failed: 1 alive
+    assert actions == [d.RequestReplacement(2, ("bad", "n0"))]
+    assert cap.replaced == cap.losses
+
+
 def test_refused_replacements_back_off_ask_for_fewer_then_go_on_at_min() -> None:
     running = [A, A, LOST, LOST]  # MIN 2, MAX 4: two short of MAX, at MIN
     cap, actions = _capacity(d.Capacity(losses=2), running, now=100.0)
