@@ -10,9 +10,11 @@ slow or failing scontrol only delays the next look, never the master's loop), an
   ``node_state_changed``, then the node is swapped out at the next step every rank holds in
   memory (as a runtime straggler is, :mod:`dlrover_hpc.master.hangs`), so the restart loses no
   step; at the latest after :data:`SWAP_WAIT_MAX_S`, at once when the job saves no
-  checkpoint.  It is excluded for good (never admitted again in this job, even once resumed:
-  its reason is Slurm's), not drained again, and a spare or a replacement takes its place as
-  for a lost node.  On a node that waits (a hot spare, a benched node): excluded at once.
+  checkpoint. Not while it would leave fewer than MIN nodes (:func:`can_leave`): the job would
+  stop, waiting for nodes; the node trains on until a spare or a replacement is there. It is
+  excluded for good (never admitted again in this job, even once resumed: its reason is
+  Slurm's), not drained again, and a spare or a replacement takes its place as for a lost
+  node. On a node that waits (a hot spare, a benched node): excluded at once.
 - DOWN, or NOT_RESPONDING on two looks in a row: the node's agents are lost at once
   (``node_lost``).
 - A node the master took out itself (excluded; its own drain's reason names the job) is not
@@ -165,10 +167,25 @@ def respond(
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Pending:
-    """A drained node's swap, waiting for a step in memory."""
+    """A drained node's swap, waiting for a step in memory (``held``: and for a node to take
+    its place, as the job would have fewer than MIN without it)."""
 
     reason: str
     wait: d.ScaleUpWait
+    held: bool = False
+
+
+def can_leave(node: str, records: Sequence[NodeRecord], *, min_nodes: int) -> bool:
+    """Whether MIN nodes are left to train without ``node``: the others that train or wait (hot
+    spares, and benched stragglers, which a round short of MIN takes back).  Without them
+    the swap would stop the whole job, waiting for nodes; a drained node trains on instead,
+    as Slurm lets it, until a spare or a replacement is there."""
+    others = [
+        n
+        for n in records
+        if n.node != node and (n.state in d.USABLE or n.state is NodeState.BENCHED)
+    ]
+    return len(others) >= min_nodes
 
 
 def swap_due(
@@ -309,6 +326,9 @@ class NodeStateWatch:
         steps = job.saved_steps() if job.saved_steps is not None else None
         now = job.clock()
         for node, pending in list(self.pending.items()):
+            if not can_leave(node, list(job.nodes.values()), min_nodes=job.params.min_nodes):
+                self._hold(node, pending, steps)
+                continue
             why = swap_due(pending, steps=steps, committed=job.last_committed, now=now)
             if why is None or node not in self.pending:
                 continue
@@ -319,10 +339,30 @@ class NodeStateWatch:
     def round_opening(self) -> None:
         """A round re-opens for another reason while swaps wait: the restart is there anyway,
         so the drained nodes are left out of it now."""
+        job = self.job
         for node, pending in list(self.pending.items()):
+            if not can_leave(node, list(job.nodes.values()), min_nodes=job.params.min_nodes):
+                steps = job.saved_steps() if job.saved_steps is not None else None
+                self._hold(node, pending, steps)
+                continue  # it trains in the next round too
             del self.pending[node]
             log.warning("drained node left out of the next round node=%s", node)
             self._exclude(node, pending.reason)
+
+    def _hold(self, node: str, pending: Pending, steps: tuple[int, int] | None) -> None:
+        """Keep the drained node training: its swap waits, from now, for a node to take its
+        place and then for the next step in memory (not cut short by a bound that ran out
+        while it waited)."""
+        job = self.job
+        if not pending.held:
+            log.warning(
+                "drained node trains on node=%s: without it fewer than MIN %d nodes are left; "
+                "swapped out once a spare or a replacement is there",
+                node,
+                job.params.min_nodes,
+            )
+        wait = d.ScaleUpWait(since=job.clock(), after_step=steps[1] if steps is not None else -1)
+        self.pending[node] = dataclasses.replace(pending, wait=wait, held=True)
 
     # ------------------------------------------------------------------ executor
     def _exclude(self, node: str, reason: str) -> None:

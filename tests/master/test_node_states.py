@@ -444,6 +444,44 @@ def test_a_round_reopening_while_the_swap_waits_leaves_the_drained_node_out(
     run(body)
 
 
+def test_a_drained_node_trains_on_while_the_job_would_fall_below_min(tmp_path: Path) -> None:
+    """Soak seed 3: an admin drained one of MIN 3 training nodes with no spare; swapping it out
+    stopped the whole job (2 of MIN 3) for 300 s and requeued it.  It trains on, through a
+    round that re-opens, and is swapped out at the next step in memory once a spare is there
+    (not at once because its bound ran out while it waited)."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="3:4")
+        reader = Reader({"node3": DRAINED["node3"]})
+        agents = h.start("node1", "node2", "node3")
+        hangs, watch = _setup(h, tmp_path, reader)
+        _beat(h, hangs, agents, step=10, saved=10)
+        await _look(watch, reader, h)
+        assert "node3" in watch.pending
+        _beat(h, hangs, agents, step=20, saved=20)
+        h.clock.now += ns.SWAP_WAIT_MAX_S + 5
+        watch.check_swaps()
+        assert h.job.phase is Phase.RUNNING and "node3" not in h.job.excluded_nodes
+        assert watch.pending["node3"].held
+        h.job.apply([d.OpenRound(Phase.RESTARTING, "a worker failed")])
+        assert "node3" not in h.job.excluded_nodes and "node3" in watch.pending
+        h.rejoin(agents)
+        h.settle(1.5)
+        assert h.job.phase is Phase.RUNNING
+        assert sorted(n.node for n in h.job.participants()) == ["node1", "node2", "node3"]
+        h.clock.now += ns.SWAP_WAIT_MAX_S + 5
+        watch.check_swaps()  # held still
+        spare = h.join("node4")
+        h.wait(spare)
+        watch.check_swaps()  # a node to take its place: now it waits for a newer step in memory
+        assert h.job.phase is Phase.RUNNING and "node3" not in h.job.excluded_nodes
+        _beat(h, hangs, agents, step=25, saved=25)
+        watch.check_swaps()
+        assert "node3" in h.job.excluded_nodes and h.job.phase is Phase.SHRINKING
+
+    run(body)
+
+
 def test_a_job_that_saves_no_checkpoint_swaps_at_once(tmp_path: Path) -> None:
     async def body() -> None:
         h = Harness(tmp_path, nnodes="2:3")
