@@ -349,6 +349,18 @@ class Capacity:
         return dataclasses.replace(self, losses=self.losses + count)
 
 
+def can_leave(node: str, records: Sequence[NodeRecord], *, min_nodes: int) -> bool:
+    """Whether MIN nodes are left to train without ``node``: the others that train or wait (hot
+    spares, and benched stragglers, which a round short of MIN takes back).  Without them,
+    taking ``node`` out (a drained node's swap, a node blamed for hangs) would stop the whole
+    job, waiting for nodes: the node trains on instead until a spare or a replacement is
+    there."""
+    others = [
+        n for n in records if n.node != node and (n.state in USABLE or n.state is NodeState.BENCHED)
+    ]
+    return len(others) >= min_nodes
+
+
 #: Back-off between refused replacement requests: 5, 10, 20, 40, 60, 60 ... seconds.
 RETRY_FIRST_S, RETRY_MAX_S = 5.0, 60.0
 

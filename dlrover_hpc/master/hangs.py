@@ -658,10 +658,19 @@ class HangWatch:
                     error=f"{title}; suspect rank {suspect_rank}: {why}",
                 )
             )
-            if node and self.hangs_by_node[node] >= HANGS_PER_NODE_FAULT:
+            records = list(job.nodes.values())
+            faulty = node and self.hangs_by_node[node] >= HANGS_PER_NODE_FAULT
+            if faulty and d.can_leave(node, records, min_nodes=job.params.min_nodes):
                 reason = f"{self.hangs_by_node[node]} hangs blamed on it ({why})"
                 job.apply([d.Exclude(node, reason), d.RemoveNode(node, reason)])
             else:
+                if faulty:  # without it the job would stop, waiting for nodes: it restarts
+                    log.warning(
+                        "node kept node=%s hangs=%d: without it fewer than MIN %d nodes",
+                        node,
+                        self.hangs_by_node[node],
+                        job.params.min_nodes,
+                    )
                 reason = f"hang: no progress for {bound.seconds:g} s ({bound.source})"
                 job.apply(
                     d.charge(

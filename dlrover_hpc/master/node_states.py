@@ -10,9 +10,9 @@ slow or failing scontrol only delays the next look, never the master's loop), an
   ``node_state_changed``, then the node is swapped out at the next step every rank holds in
   memory (as a runtime straggler is, :mod:`dlrover_hpc.master.hangs`), so the restart loses no
   step; at the latest after :data:`SWAP_WAIT_MAX_S`, at once when the job saves no
-  checkpoint. Not while it would leave fewer than MIN nodes (:func:`can_leave`): the job would
-  stop, waiting for nodes; the node trains on until a spare or a replacement is there. It is
-  excluded for good (never admitted again in this job, even once resumed: its reason is
+  checkpoint. Not while it would leave fewer than MIN nodes (``decisions.can_leave``): the
+  job would stop, waiting for nodes; the node trains on until a spare or a replacement is
+  there. It is excluded for good (never admitted again in this job, even once resumed: its reason is
   Slurm's), not drained again, and a spare or a replacement takes its place as for a lost
   node. On a node that waits (a hot spare, a benched node): excluded at once.
 - DOWN, or NOT_RESPONDING on two looks in a row: the node's agents are lost at once
@@ -175,19 +175,6 @@ class Pending:
     held: bool = False
 
 
-def can_leave(node: str, records: Sequence[NodeRecord], *, min_nodes: int) -> bool:
-    """Whether MIN nodes are left to train without ``node``: the others that train or wait (hot
-    spares, and benched stragglers, which a round short of MIN takes back).  Without them
-    the swap would stop the whole job, waiting for nodes; a drained node trains on instead,
-    as Slurm lets it, until a spare or a replacement is there."""
-    others = [
-        n
-        for n in records
-        if n.node != node and (n.state in d.USABLE or n.state is NodeState.BENCHED)
-    ]
-    return len(others) >= min_nodes
-
-
 def swap_due(
     pending: Pending, *, steps: tuple[int, int] | None, committed: int, now: float
 ) -> str | None:
@@ -326,7 +313,7 @@ class NodeStateWatch:
         steps = job.saved_steps() if job.saved_steps is not None else None
         now = job.clock()
         for node, pending in list(self.pending.items()):
-            if not can_leave(node, list(job.nodes.values()), min_nodes=job.params.min_nodes):
+            if not d.can_leave(node, list(job.nodes.values()), min_nodes=job.params.min_nodes):
                 self._hold(node, pending, steps)
                 continue
             why = swap_due(pending, steps=steps, committed=job.last_committed, now=now)
@@ -341,7 +328,7 @@ class NodeStateWatch:
         so the drained nodes are left out of it now."""
         job = self.job
         for node, pending in list(self.pending.items()):
-            if not can_leave(node, list(job.nodes.values()), min_nodes=job.params.min_nodes):
+            if not d.can_leave(node, list(job.nodes.values()), min_nodes=job.params.min_nodes):
                 steps = job.saved_steps() if job.saved_steps is not None else None
                 self._hold(node, pending, steps)
                 continue  # it trains in the next round too

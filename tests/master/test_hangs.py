@@ -284,6 +284,24 @@ def test_a_second_hang_on_the_same_node_excludes_it(tmp_path: Path) -> None:
     run(body)
 
 
+def test_a_second_hang_on_a_node_the_job_cannot_do_without_restarts_it(tmp_path: Path) -> None:
+    """Soak seed 1: two stopped workers on node1 of MIN 3 nodes, no spare; excluding it
+    stopped the whole job (2 of MIN 3) for 300 s and requeued it.  It restarts instead."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3", max_restarts=3)
+        agents = h.start("n1", "n2")
+        watch = _watch(h, tmp_path)
+        watch.hangs_by_node["n2"] = 1
+        _beat(h, watch, agents, stalled=30.0)
+        watch.check()
+        await asyncio.wait_for(watch._task, 5)  # type: ignore[arg-type]
+        assert h.job.nodes[agents[1]].state is not NodeState.EXCLUDED and not h.removed
+        assert h.job.restart_count == 1 and h.job.phase is Phase.RESTARTING
+
+    run(body)
+
+
 def _timed_beat(
     h: Harness, watch: HangWatch, agents: list[str], step: int, saved: int | list[int] = -1
 ) -> None:
