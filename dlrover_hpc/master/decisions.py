@@ -158,6 +158,8 @@ Action = (
 USABLE = frozenset({NodeState.WAITING, NodeState.ACTIVE, NodeState.DONE})
 #: ... and towards a forming round: the rendezvous may still hear from these.
 ALIVE = frozenset({NodeState.WAITING, NodeState.ACTIVE})
+#: An agent in these states runs on its node (a benched straggler's waits there).
+HOSTING = USABLE | {NodeState.BENCHED}
 
 
 def reachable(rec: NodeRecord) -> bool:
@@ -355,10 +357,7 @@ def can_leave(node: str, records: Sequence[NodeRecord], *, min_nodes: int) -> bo
     taking ``node`` out (a drained node's swap, a node blamed for hangs) would stop the whole
     job, waiting for nodes: the node trains on instead until a spare or a replacement is
     there."""
-    others = [
-        n for n in records if n.node != node and (n.state in USABLE or n.state is NodeState.BENCHED)
-    ]
-    return len(others) >= min_nodes
+    return sum(1 for n in records if n.node != node and n.state in HOSTING) >= min_nodes
 
 
 #: Back-off between refused replacement requests: 5, 10, 20, 40, 60, 60 ... seconds.
@@ -410,7 +409,7 @@ def capacity(
     # that fails, or a later loss, asks then.
     if wanted and count > 0 and can_replace and not judging and now >= cap.retry_at:
         cap = dataclasses.replace(cap, replaced=cap.losses)
-        held = {n.node for n in records if n.state in USABLE or n.state is NodeState.BENCHED}
+        held = {n.node for n in records if n.state in HOSTING}
         actions.append(RequestReplacement(count, tuple(sorted(held | set(excluded_nodes)))))
     if alive >= params.min_nodes:
         return dataclasses.replace(cap, below_min_since=None), actions

@@ -313,8 +313,7 @@ class NodeStateWatch:
         steps = job.saved_steps() if job.saved_steps is not None else None
         now = job.clock()
         for node, pending in list(self.pending.items()):
-            if not d.can_leave(node, list(job.nodes.values()), min_nodes=job.params.min_nodes):
-                self._hold(node, pending, steps)
+            if self._held(node, pending):
                 continue
             why = swap_due(pending, steps=steps, committed=job.last_committed, now=now)
             if why is None or node not in self.pending:
@@ -326,21 +325,20 @@ class NodeStateWatch:
     def round_opening(self) -> None:
         """A round re-opens for another reason while swaps wait: the restart is there anyway,
         so the drained nodes are left out of it now."""
-        job = self.job
         for node, pending in list(self.pending.items()):
-            if not d.can_leave(node, list(job.nodes.values()), min_nodes=job.params.min_nodes):
-                steps = job.saved_steps() if job.saved_steps is not None else None
-                self._hold(node, pending, steps)
+            if self._held(node, pending):
                 continue  # it trains in the next round too
             del self.pending[node]
             log.warning("drained node left out of the next round node=%s", node)
             self._exclude(node, pending.reason)
 
-    def _hold(self, node: str, pending: Pending, steps: tuple[int, int] | None) -> None:
-        """Keep the drained node training: its swap waits, from now, for a node to take its
-        place and then for the next step in memory (not cut short by a bound that ran out
-        while it waited)."""
+    def _held(self, node: str, pending: Pending) -> bool:
+        """Whether the drained node trains on, the job having fewer than MIN without it: its
+        swap then waits, from now, for a node to take its place and then for the next step
+        in memory (not cut short by a bound that ran out while it waited)."""
         job = self.job
+        if d.can_leave(node, list(job.nodes.values()), min_nodes=job.params.min_nodes):
+            return False
         if not pending.held:
             log.warning(
                 "drained node trains on node=%s: without it fewer than MIN %d nodes are left; "
@@ -348,8 +346,10 @@ class NodeStateWatch:
                 node,
                 job.params.min_nodes,
             )
+        steps = job.saved_steps() if job.saved_steps is not None else None
         wait = d.ScaleUpWait(since=job.clock(), after_step=steps[1] if steps is not None else -1)
         self.pending[node] = dataclasses.replace(pending, wait=wait, held=True)
+        return True
 
     # ------------------------------------------------------------------ executor
     def _exclude(self, node: str, reason: str) -> None:

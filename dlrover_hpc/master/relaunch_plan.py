@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from dlrover_hpc.master.decisions import RETRY_FIRST_S, USABLE, Relaunch
+from dlrover_hpc.master.decisions import HOSTING, RETRY_FIRST_S, Relaunch
 from dlrover_hpc.master.nodes import NodeRecord, NodeState
 
 #: A relaunched agent that has not joined this long after its srun started has failed.
@@ -42,10 +42,6 @@ def slurm_usable(state: str) -> bool:
     """A compact ``sinfo`` state of a responding node where a step can start (``*``: the node
     does not respond; ``~``/``#``: powered down or up)."""
     return not state.endswith(("*", "~", "#", "!", "%")) and not state.startswith(UNUSABLE_STATES)
-
-
-#: An agent in these states runs on its node: a new one there would only replace it.
-HOSTING = USABLE | {NodeState.BENCHED}
 
 
 def relaunches(
