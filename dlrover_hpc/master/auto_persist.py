@@ -49,6 +49,11 @@ REQUEST_TIMEOUT_S = 3.0
 #: short (a rate measured over a round's slow first steps) only brings the commit forward, up
 #: to this much; past it, the ranks have saved beyond the step and it is asked again.
 ASK_AHEAD_S = 2.5
+#: ... but never more than this share of the interval: the step is chosen from a rate measured
+#: before the ask, and a rate off by a factor f moves the commit by ``lead * (1 - 1/f)``, so a
+#: lead of 2.5 s of a 3.2 s interval let a loaded machine (rates off by 2x and more) commit at
+#: 1-2 s gaps; a quarter of the interval keeps any such error under a quarter of it.
+ASK_AHEAD_SHARE = 0.25
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -144,10 +149,16 @@ class AutoPersist:
             self._asked = None
         if self.interval is None:  # auto, no persist measured yet: measure one now
             self._ask(now, "first persist: measuring its time")
-        elif now - self._durable_at >= self.interval.interval_s - ASK_AHEAD_S:
+        elif now - self._durable_at >= self.interval.interval_s - self._lead_s():
             # the ranks reach the asked step about this long after the ask: it commits
             # about when storage's newest step is the interval old
             self._ask(now, f"storage's newest step is {now - self._durable_at:.1f} s old")
+
+    def _lead_s(self) -> float:
+        """How far ahead of the ranks the step is asked (seconds at the step rate)."""
+        if self.interval is None:
+            return ASK_AHEAD_S
+        return min(ASK_AHEAD_S, ASK_AHEAD_SHARE * self.interval.interval_s)
 
     def _timeout_s(self) -> float:
         measured = self.persist_s() or 0.0
@@ -196,7 +207,7 @@ class AutoPersist:
             return  # unknown yet: a step asked too close would be behind the ranks already
         # A rank already past the step by two saves is left out (the step asked again later).
         newest = max(self.steps.projected(time.time(), rate), saved[1], saved[0])
-        step = stop_step(newest, rate, ASK_AHEAD_S)
+        step = stop_step(newest, rate, self._lead_s())
         notice = m.PersistStep(step=step, reason=why)
         targets = [r for r in self.job.participants() if r.state is NodeState.ACTIVE]
         if not targets:

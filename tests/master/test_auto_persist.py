@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dlrover_hpc.master.auto_persist import ASK_AHEAD_S, AutoPersist
+from dlrover_hpc.master.auto_persist import ASK_AHEAD_S, ASK_AHEAD_SHARE, AutoPersist
 from dlrover_hpc.master.hangs import HangWatch
 from dlrover_hpc.master.persist_interval import daly_interval
 from dlrover_hpc.protocol import messages as m
@@ -98,6 +98,30 @@ def test_a_fixed_interval_asks_every_node_for_one_step_ahead(tmp_path: Path) -> 
         watch.check()
         assert len(_asked(h)) == 4
         assert len(h.events("persist_interval")) == 1  # said once
+
+    run(body)
+
+
+def test_a_short_interval_asks_a_quarter_of_it_ahead(tmp_path: Path) -> None:
+    """A 3.2 s interval is not asked 2.5 s ahead: a rate off by 2x would commit at 2 s gaps."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2", persist_every_s=3.2)
+        agents = h.start("n1", "n2")
+        hangs = HangWatch(h.job, lambda a, msg: None, tmp_path)
+        watch = AutoPersist(h.job, h.agents.steps, _pushed(h), h.job.config)
+        _train(h, hangs, agents, range(1, 30))
+        watch.check()
+        lead_s = ASK_AHEAD_SHARE * 3.2
+        assert lead_s < ASK_AHEAD_S
+        h.clock.now += 3.2 - lead_s - 0.1
+        watch.check()
+        assert _asked(h) == []  # 2.5 s ahead would have asked already
+        h.clock.now += 0.2
+        watch.check()
+        [step] = {s for _, s in _asked(h)}
+        lead = max(2, math.ceil(h.agents.steps.step_rate() * lead_s))
+        assert 29 + lead <= step <= 29 + lead + 3, step
 
     run(body)
 
