@@ -116,6 +116,10 @@ log = logging.getLogger(__name__)
 
 COLLECT_TIMEOUT_S = 15.0
 
+#: a straggler_detected's action when its node goes at the next checkpoint: for a spare or a
+#: replacement, or the others train on without it (they are enough, and faster so)
+SWAP = "swap at the next checkpoint"
+LEAVE = "leave at the next checkpoint (the others are faster without it)"
 HANGS_PER_NODE_FAULT = 2  # the second hang blamed on a node excludes it
 
 
@@ -430,7 +434,7 @@ class HangWatch:
                 for r, (c, w) in sorted(timings.items())[:64]
             }
             again = self._swapped_ranks.get(rank, node) != node
-            swap = self._swap_wanted() and not again
+            swap = "" if again else self._swap_wanted(found.ratio)
             if swap:
                 self._swapped_ranks[rank] = node
             self.job.emit(
@@ -445,19 +449,28 @@ class HangWatch:
                 slow_for_s=round(now - since, 1),
                 slow_steps=episode.steps,
                 evidence=evidence,
-                action="swap at the next checkpoint"
-                if swap
-                else ("reported (slow on its previous node too)" if again else "reported"),
+                action=swap
+                or ("reported (slow on its previous node too)" if again else "reported"),
             )
             if swap:
                 self._plan_swap(node)
         self._check_links(now)
 
-    def _swap_wanted(self) -> bool:
-        """Swap a straggler's node at the next checkpoint: a spare waits to take its place, or
-        the others are enough and Slurm may give a replacement (or the user asked for
-        --exclude-straggler); and no other swap is pending."""
-        return self._swap is None and (self.exclude_straggler or self.job.can_swap_out())
+    def _swap_wanted(self, slowdown: float) -> str:
+        """How a straggler's node (``slowdown`` times its peers' step) goes at the next
+        checkpoint, if it goes ("": reported only): swapped when a spare waits to take its
+        place, or the others are enough and Slurm may give a replacement (or the user asked
+        for --exclude-straggler); left out, the others training on alone, when they are enough
+        and faster without it (:func:`decisions.shrink_wins`); and no other swap is pending."""
+        if self._swap is not None:
+            return ""
+        if self.exclude_straggler or self.job.can_swap_out():
+            return SWAP
+        running = self.job.phase is Phase.RUNNING
+        nodes = len(self.job.participants())
+        if running and d.shrink_wins(nodes, slowdown, min_nodes=self.job.config.nnodes.min):
+            return LEAVE
+        return ""
 
     def _check_links(self, now: float) -> None:
         rtts = {}
@@ -502,7 +515,7 @@ class HangWatch:
             found.peers_compute_s,
             measured,
         )
-        swap = self._swap_wanted()
+        swap = self._swap_wanted(found.ratio)
         self.job.emit(
             EventName.STRAGGLER_DETECTED,
             node=node,
@@ -514,7 +527,7 @@ class HangWatch:
             measured=measured,
             slow_for_s=slow_for_s,
             evidence=evidence,
-            action="swap at the next checkpoint" if swap else "reported",
+            action=swap or "reported",
         )
         if swap:
             self._plan_swap(node)

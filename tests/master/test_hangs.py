@@ -441,6 +441,37 @@ def test_a_commit_while_the_round_reforms_keeps_the_swap_pending(tmp_path: Path)
     run(body)
 
 
+def test_without_a_spare_or_a_replacement_a_straggler_leaves_when_the_others_are_faster(
+    tmp_path: Path,
+) -> None:
+    """Slurm gives no replacement and no spare waits, but two of MIN 2 are left: the others
+    train on alone at full speed rather than all at the straggler's fifth."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3")
+        agents = h.start("n1", "n2", "n3")
+        h.job.can_replace = False
+        watch = _watch(h, tmp_path)
+        watch.straggler_factor = 2.0
+        assert not h.job.can_swap_out()
+        [first, _] = _sustained_straggler(h, watch, agents)
+        assert first["action"] == hangs.LEAVE and first["ratio"] == 5.0, first
+        assert h.job.phase is Phase.RUNNING  # not before the next checkpoint
+        watch.committed()
+        assert h.job.nodes[agents[2]].state is NodeState.BENCHED
+        assert h.job.phase is Phase.SHRINKING and "n3" not in h.job.excluded_nodes
+
+    run(body)
+
+
+def test_a_slow_node_leaves_only_when_the_job_is_faster_without_it() -> None:
+    assert d.shrink_wins(4, 5.0, min_nodes=3)  # 3 nodes against 4 at a fifth: 0.8
+    assert not d.shrink_wins(4, 1.2, min_nodes=3)  # 3 against 4 / 1.2 = 3.33
+    assert d.shrink_wins(8, 1.2, min_nodes=1)  # 7 against 6.67
+    assert not d.shrink_wins(3, 5.0, min_nodes=3)  # below MIN without it
+    assert not d.shrink_wins(4, 0.0, min_nodes=1)  # no slowdown known
+
+
 def test_without_a_spare_or_room_to_shrink_a_straggler_is_only_reported(tmp_path: Path) -> None:
     async def body() -> None:
         h = Harness(tmp_path, nnodes="3:3")  # no spare, and one node less is below MIN
