@@ -43,8 +43,9 @@ class EventName(StrEnum):
     NETCHECK_RESULT = "netcheck_result"  # a network-check round (faulty, stragglers, timings)
     NODE_DRAINED = "node_drained"  # scontrol drained a faulty node
     NODE_QUARANTINED = "node_quarantined"  # a faulty node kept out of this job (no drain)
-    #: Slurm set a node of the job DRAIN, FAIL or DOWN while it trained or waited (node,
-    #: slurm_state, reason, action: out at the next step every rank holds in memory, or lost)
+    #: Slurm set a node of the job DRAIN, FAIL or DOWN while it trained or waited, or lifted
+    #: such a drain (node, slurm_state, reason, action: out at the next step every rank holds
+    #: in memory, benched while drained, lost, back as a hot spare, or excluded for good)
     NODE_STATE_CHANGED = "node_state_changed"
     #: a node failed a health check before joining (node, check, reason): excluded, drained
     NODE_UNHEALTHY = "node_unhealthy"

@@ -356,8 +356,9 @@ def can_leave(node: str, records: Sequence[NodeRecord], *, min_nodes: int) -> bo
     spares, and benched stragglers, which a round short of MIN takes back).  Without them,
     taking ``node`` out (a drained node's swap, a node blamed for hangs) would stop the whole
     job, waiting for nodes: the node trains on instead until a spare or a replacement is
-    there."""
-    return sum(1 for n in records if n.node != node and n.state in HOSTING) >= min_nodes
+    there.  A node benched because Slurm drained it is not counted: no round takes it back."""
+    others = (n for n in records if n.node != node and n.state in HOSTING and not n.drained)
+    return sum(1 for _ in others) >= min_nodes
 
 
 def shrink_wins(nodes: int, slowdown: float, *, min_nodes: int) -> bool:

@@ -327,23 +327,41 @@ class Job:
                 rec.waiter.set_result(m.Assignment(status=m.NodeStatus.EXCLUDED, reason=reason))
         self.apply(d.excluded(self.phase, node, reason, was_active))
 
-    def bench(self, node: str, reason: str) -> None:
+    def bench(self, node: str, reason: str, *, drained: bool = False) -> None:
         """A straggler's node leaves the rounds, its agent waiting: not a hot spare (the next
         fault takes a spare or a replacement instead, and a replacement is asked for as for a
         lost node), but taken back when a round would otherwise wait with fewer than MIN nodes
-        (:meth:`_reserve`): a slow node trains, a missing one does not."""
+        (:meth:`_reserve`): a slow node trains, a missing one does not.  A ``drained`` node
+        (Slurm's state) is never taken back: :meth:`unbench` makes it a spare once the drain
+        is lifted."""
         was_active = False
         for rec in self.nodes.values():
             if rec.node != node or rec.state not in (NodeState.ACTIVE, NodeState.WAITING):
                 continue
             was_active |= rec.state is NodeState.ACTIVE
             rec.state, rec.joined_at = NodeState.BENCHED, self.clock()
+            rec.drained = drained
+            if drained:
+                rec.reason = f"drained: {reason}"  # what status shows it waits for
             self.capacity = self.capacity.lost()
             if was_active:  # its workers stop now, not when the next round is complete
                 told = f"node {node} benched: {reason}"
                 self._push(rec.agent_id, m.RoundChanged(round=self.round + 1, reason=told))
         log.warning("node benched node=%s reason=%s", node, reason)
         self.apply(d.excluded(self.phase, node, reason, was_active, how="benched"))
+
+    def unbench(self, node: str) -> bool:
+        """The drained node's agents wait as hot spares again (its drain was lifted); False
+        when none of them is benched for its drain any more (lost, excluded meanwhile)."""
+        back = False
+        for rec in self.nodes.values():
+            if rec.node == node and rec.state is NodeState.BENCHED and rec.drained:
+                rec.state, rec.joined_at = NodeState.WAITING, self.clock()
+                rec.drained, rec.reason, back = False, "", True
+        if back:
+            log.warning("drained node back as a spare node=%s", node)
+            self.poke()
+        return back
 
     def _scale_up(self) -> float | None:
         """Take in nodes waiting while the round runs below MAX: at the next checkpoint (every
@@ -406,6 +424,7 @@ class Job:
             n
             for n in self.nodes.values()
             if n.state is NodeState.BENCHED
+            and not n.drained
             and n.disconnected_at is None
             and n.waiter is not None
             and not n.waiter.done()

@@ -12,9 +12,15 @@ slow or failing scontrol only delays the next look, never the master's loop), an
   step; at the latest after :data:`SWAP_WAIT_MAX_S`, at once when the job saves no
   checkpoint. Not while it would leave fewer than MIN nodes (``decisions.can_leave``): the
   job would stop, waiting for nodes; the node trains on until a spare or a replacement is
-  there. It is excluded for good (never admitted again in this job, even once resumed: its reason is
-  Slurm's), not drained again, and a spare or a replacement takes its place as for a lost
-  node. On a node that waits (a hot spare, a benched node): excluded at once.
+  there. Its agent waits on the node, benched (``drained``: no round takes it back while it
+  is drained), a spare or a replacement taking its place as for a lost node; it is not
+  drained again (the reason is Slurm's). On a node that waits (a hot spare, a benched
+  node): benched at once.
+- The drain lifted (``scontrol update ... state=resume``; NHC resumes the nodes it drained
+  once their check passes): the node's agent is a hot spare again, and a round below MAX takes
+  it in at the next checkpoint; a drained node that still trains (held for MIN, or waiting for
+  its step in memory) trains on.  A node drained a second time in the job is excluded for
+  good: a node that flaps costs a restart each time.
 - DOWN, or NOT_RESPONDING on two looks in a row: the node's agents are lost at once
   (``node_lost``).
 - A node the master took out itself (excluded; its own drain's reason names the job) is not
@@ -60,6 +66,15 @@ WATCHED = frozenset({NodeState.ACTIVE, NodeState.WAITING, NodeState.BENCHED})
 
 #: Reads the Slurm state of the given nodes in one call (a thread runs it).
 ReadStates = Callable[[Sequence[str]], Mapping[str, SlurmNode]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Park:
+    """Take ``node`` out of the rounds while Slurm keeps it drained: its agents wait there,
+    hot spares again once the drain is lifted (:func:`lifted`)."""
+
+    node: str
+    reason: str
 
 
 class Verdict(enum.Enum):
@@ -150,11 +165,33 @@ class SwapAtSave:
     reason: str
 
 
+def lifted(
+    states: Mapping[str, SlurmNode], *, said: Mapping[str, Verdict], job_id: str
+) -> list[str]:
+    """The nodes acted on as drained (or failed) whose state Slurm no longer marks so: their
+    drain was lifted (a node Slurm did not print is left for the next look)."""
+    out = []
+    for node, before in said.items():
+        found = states.get(node)
+        if before is not Verdict.SWAP or found is None:
+            continue
+        if verdict(found) is None and not own_drain(found.reason, job_id):
+            out.append(node)
+    return sorted(out)
+
+
 def respond(
-    change: Changed, records: Sequence[NodeRecord], *, phase: Phase, round: int
-) -> list[d.Action | SwapAtSave]:
+    change: Changed,
+    records: Sequence[NodeRecord],
+    *,
+    phase: Phase,
+    round: int,
+    again: bool = False,
+) -> list[d.Action | SwapAtSave | Park]:
     """The actions for one change.  Lost: each of the node's watched agents.  Drained or
-    failed: excluded at once unless one of its agents trains in the running round."""
+    failed: benched at once (:class:`Park`) unless one of its agents trains in the running
+    round; excluded for good when it was drained before in this job and came back
+    (``again``)."""
     on_node = [n for n in records if n.node == change.node and n.state in WATCHED]
     why = f"Slurm set it {change.slurm_state}" + (f": {change.reason}" if change.reason else "")
     if change.verdict is Verdict.LOST:
@@ -162,7 +199,9 @@ def respond(
     training = any(n.state is NodeState.ACTIVE and n.round == round for n in on_node)
     if training and phase is Phase.RUNNING:
         return [SwapAtSave(change.node, why)]
-    return [d.Exclude(change.node, why)] if on_node else []
+    if not on_node:
+        return []
+    return [d.Exclude(change.node, why)] if again else [Park(change.node, why)]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -204,6 +243,7 @@ class NodeStateWatch:
         self.job, self._push, self._read = job, push, read
         self.said: dict[str, Verdict] = {}
         self.pending: dict[str, Pending] = {}
+        self.returned: set[str] = set()  # drained, then resumed: a second drain excludes
         self.failures = 0
         self.poll_s: list[float] = []  # the newest 16 looks' seconds (what a look costs)
         self._next_poll = 0.0
@@ -273,16 +313,21 @@ class NodeStateWatch:
         )
         for change in found:
             records = list(job.nodes.values())
-            actions = respond(change, records, phase=job.phase, round=job.round)
+            again = change.node in self.returned
+            actions = respond(change, records, phase=job.phase, round=job.round, again=again)
             if not actions:
                 continue  # its agents left meanwhile (lost, done): nothing to act on
             self.said[change.node] = change.verdict
             swap = [a for a in actions if isinstance(a, SwapAtSave)]
             if change.verdict is Verdict.LOST:
                 self.pending.pop(change.node, None)
-            how = "lost at once" if change.verdict is Verdict.LOST else "excluded now"
+            how = "lost at once" if change.verdict is Verdict.LOST else "benched while drained"
             if swap:
                 how = "swapped out at the next step every rank holds in memory"
+            if again and change.verdict is Verdict.SWAP:
+                how = ("swapped out" if swap else "excluded") + (
+                    " for good: drained a second time in this job"
+                )
             log.warning(
                 "node state changed node=%s slurm_state=%s reason=%r: %s",
                 change.node,
@@ -303,7 +348,30 @@ class NodeStateWatch:
                 wait = d.ScaleUpWait(since=job.clock(), after_step=after)
                 self.pending[a.node] = Pending(reason=a.reason, wait=wait)
             self._apply([a for a in actions if not isinstance(a, SwapAtSave)])
+        for node in lifted(states, said=self.said, job_id=job.config.job_id):
+            self._lifted(node, states[node])
         self.check_swaps()
+
+    def _lifted(self, node: str, found: SlurmNode) -> None:
+        """The node's drain was lifted: a swap that waits is dropped (it trains on), a benched
+        agent is a hot spare again."""
+        job = self.job
+        del self.said[node]
+        self.returned.add(node)
+        if self.pending.pop(node, None) is not None:
+            how = "trains on: its drain was lifted"
+        elif job.unbench(node):
+            how = "back as a hot spare: its drain was lifted"
+        else:
+            return  # its agents left meanwhile (lost, excluded): nothing to take back
+        log.warning("node state changed node=%s slurm_state=%s: %s", node, slurm_state(found), how)
+        job.emit(
+            EventName.NODE_STATE_CHANGED,
+            node=node,
+            slurm_state=slurm_state(found),
+            reason=found.reason,
+            action=how,
+        )
 
     def check_swaps(self) -> None:
         """Swap out the drained nodes whose next step in memory came (or whose wait ran out)."""
@@ -320,7 +388,7 @@ class NodeStateWatch:
                 continue
             del self.pending[node]
             log.warning("swapping out the drained node node=%s: %s", node, why)
-            self._exclude(node, pending.reason)
+            self._leave(node, pending.reason)
 
     def round_opening(self) -> None:
         """A round re-opens for another reason while swaps wait: the restart is there anyway,
@@ -330,7 +398,7 @@ class NodeStateWatch:
                 continue  # it trains in the next round too
             del self.pending[node]
             log.warning("drained node left out of the next round node=%s", node)
-            self._exclude(node, pending.reason)
+            self._leave(node, pending.reason)
 
     def _held(self, node: str, pending: Pending) -> bool:
         """Whether the drained node trains on, the job having fewer than MIN without it: its
@@ -352,6 +420,14 @@ class NodeStateWatch:
         return True
 
     # ------------------------------------------------------------------ executor
+    def _leave(self, node: str, reason: str) -> None:
+        """A drained node that trained goes: benched while drained, or excluded for good when
+        it was drained before in this job."""
+        if node in self.returned:
+            self._exclude(node, reason)
+        else:
+            self.job.bench(node, reason, drained=True)
+
     def _exclude(self, node: str, reason: str) -> None:
         """Tell the node's training agents their round is over, then exclude it (the round
         re-forms without it; a spare or a replacement takes its place)."""
@@ -362,9 +438,11 @@ class NodeStateWatch:
                 self._push(rec.agent_id, m.RoundChanged(round=job.round + 1, reason=told))
         job.apply([d.Exclude(node, reason)])
 
-    def _apply(self, actions: Sequence[d.Action]) -> None:
+    def _apply(self, actions: Sequence[d.Action | Park]) -> None:
         for a in actions:
-            if isinstance(a, d.Exclude):
+            if isinstance(a, Park):
+                self.job.bench(a.node, a.reason, drained=True)
+            elif isinstance(a, d.Exclude):
                 self._exclude(a.node, a.reason)
             else:
                 self.job.apply([a])

@@ -51,6 +51,9 @@ class NodeRecord:
     #: a member of the running round restored from the journal, not yet heard from
     resumed: bool = False
     reason: str = ""  # why it is out of the job (an unhealthy node's check), for status
+    #: benched because Slurm drained its node (:mod:`dlrover_hpc.master.node_states`): never
+    #: taken back while drained, a hot spare again once the drain is lifted
+    drained: bool = False
 
 
 class StoreFactory(Protocol):

@@ -195,13 +195,13 @@ WHY = "Slurm set it MIXED+DRAIN: nhc: bad dimm"
     [
         # trains: out at the next step in memory
         (SWAP, NodeState.ACTIVE, 1, Phase.RUNNING, [ns.SwapAtSave("node3", WHY)]),
-        # a spare or a benched node: excluded at once, nothing to lose
-        (SWAP, NodeState.WAITING, 1, Phase.RUNNING, [d.Exclude("node3", WHY)]),
-        (SWAP, NodeState.BENCHED, 1, Phase.RUNNING, [d.Exclude("node3", WHY)]),
+        # a spare or a benched node: benched while drained at once, nothing to lose
+        (SWAP, NodeState.WAITING, 1, Phase.RUNNING, [ns.Park("node3", WHY)]),
+        (SWAP, NodeState.BENCHED, 1, Phase.RUNNING, [ns.Park("node3", WHY)]),
         # a round forms: out of it now
-        (SWAP, NodeState.WAITING, 1, Phase.RESTARTING, [d.Exclude("node3", WHY)]),
+        (SWAP, NodeState.WAITING, 1, Phase.RESTARTING, [ns.Park("node3", WHY)]),
         # an active record of an older round (its round re-forms) is no training node
-        (SWAP, NodeState.ACTIVE, 0, Phase.RUNNING, [d.Exclude("node3", WHY)]),
+        (SWAP, NodeState.ACTIVE, 0, Phase.RUNNING, [ns.Park("node3", WHY)]),
         # done with its part, lost or excluded: not watched, nothing to do
         (SWAP, NodeState.DONE, 1, Phase.RUNNING, []),
         (SWAP, NodeState.LOST, 1, Phase.RUNNING, []),
@@ -216,6 +216,28 @@ def test_respond(
 ) -> None:
     records = [_rec("a1", "node1", NodeState.ACTIVE), _rec("a3", "node3", state, round)]
     assert ns.respond(change, records, phase=phase, round=1) == expected
+    # drained before in this job and resumed since: a second drain excludes it for good
+    again = [d.Exclude(a.node, a.reason) if isinstance(a, ns.Park) else a for a in expected]
+    assert ns.respond(change, records, phase=phase, round=1, again=True) == again
+
+
+@pytest.mark.parametrize(
+    ("now", "said", "expected"),
+    [
+        (
+            "show_nodes_resumed.txt",
+            {"node3": Verdict.SWAP, "node4": Verdict.SWAP},
+            ["node3", "node4"],
+        ),
+        ("show_nodes_drained.txt", {"node3": Verdict.SWAP, "node2": Verdict.SWAP}, ["node2"]),
+        # lost stays lost; a node Slurm did not print waits for the next look
+        ("show_nodes_resumed.txt", {"node3": Verdict.LOST, "node9": Verdict.SWAP}, []),
+        # down (drained or not) is no lifted drain
+        ("show_nodes_fail_down.txt", {"node4": Verdict.SWAP}, []),
+    ],
+)
+def test_lifted_drains(now: str, said: dict[str, Verdict], expected: list[str]) -> None:
+    assert ns.lifted(_shown(now), said=said, job_id="7") == expected
 
 
 # ------------------------------------------------------------------------ swap_due
@@ -290,13 +312,19 @@ def _beat(h: Harness, hangs: HangWatch, agents: list[str], step: int, saved: int
         hangs.heartbeat(rec.node, progress)
 
 
+def _drained_out(h: Harness, node: str) -> bool:
+    """Every agent of ``node`` is benched for its drain (it waits there, out of the rounds)."""
+    recs = [r for r in h.job.nodes.values() if r.node == node]
+    return bool(recs) and all(r.state is NodeState.BENCHED and r.drained for r in recs)
+
+
 async def _look(watch: NodeStateWatch, reader: Reader, h: Harness) -> None:
     """One poll as the loop makes it (the reader in a thread)."""
     nodes = ns.watched_nodes(list(h.job.nodes.values()), h.job.excluded_nodes)
     await watch._poll(nodes)
 
 
-def test_a_drained_node_is_swapped_at_the_next_step_in_memory_and_never_readmitted(
+def test_a_drained_node_is_swapped_at_the_next_step_in_memory_and_a_spare_once_resumed(
     tmp_path: Path,
 ) -> None:
     async def body() -> None:
@@ -322,25 +350,46 @@ def test_a_drained_node_is_swapped_at_the_next_step_in_memory_and_never_readmitt
         assert h.job.phase is Phase.RUNNING
         _beat(h, hangs, agents, step=45, saved=45)
         watch.check_swaps()
-        rec = h.job.nodes[agents[2]]
-        assert rec.state is NodeState.EXCLUDED and "node3" in h.job.excluded_nodes
+        assert _drained_out(h, "node3") and "node3" not in h.job.excluded_nodes
         assert h.job.phase is Phase.SHRINKING
         told = [msg for a, msg in h.pushed if a == agents[2] and isinstance(msg, m.RoundChanged)]
-        assert told and "excluded: Slurm set it MIXED+DRAIN: admin drain test" in told[-1].reason
+        assert told and "benched: Slurm set it MIXED+DRAIN: admin drain test" in told[-1].reason
         assert h.removed == []  # already drained: no second scontrol drain, no quarantine
-        # the spare takes its place in the next round
-        h.rejoin(agents[:2])
+        # the spare takes its place in the next round; node3's agent waits on its node
+        h.rejoin(agents)
         h.settle(1.5)
         assert h.job.phase is Phase.RUNNING
         assert sorted(n.node for n in h.job.participants()) == ["node1", "node2", "node4"]
-        # drained still: no second event; resumed: still out of this job
-        await _look(watch, reader, h)
-        reader.states = RESUMED
+        assert not h.waits[agents[2]].done() and _drained_out(h, "node3")
+        # a round short of MIN does not take a drained node back: node4 is lost, 2 of MIN 3
+        h.job.apply([d.MarkLost(spare, "test: gone")])
+        h.rejoin(agents[:2])
+        h.settle(1.5)
+        assert h.job.phase is not Phase.RUNNING and _drained_out(h, "node3")
+        # drained still: no second event; resumed: a hot spare again, and the round forms
         await _look(watch, reader, h)
         assert len(h.events("node_state_changed")) == 1
-        assert all("node3" not in call for call in reader.calls[-2:])  # excluded: not asked
-        again = h.join("node3")
-        assert h.job.nodes[again].state is NodeState.EXCLUDED
+        reader.states = RESUMED
+        await _look(watch, reader, h)
+        assert "node3" in reader.calls[-1]  # benched, not excluded: still watched
+        back = h.events("node_state_changed")[-1]
+        assert back["node"] == "node3" and back["slurm_state"] == "MIXED"
+        assert back["action"] == "back as a hot spare: its drain was lifted"
+        h.settle(1.5)
+        assert h.job.phase is Phase.RUNNING
+        assert sorted(n.node for n in h.job.participants()) == ["node1", "node2", "node3"]
+        # drained a second time in this job: excluded for good (a node that flaps)
+        h.wait(h.join("node5"))  # a spare to take its place
+        reader.states = {**RESUMED, "node3": DRAINED["node3"]}
+        _beat(h, hangs, agents, step=60, saved=60)
+        await _look(watch, reader, h)
+        _beat(h, hangs, agents, step=65, saved=65)
+        watch.check_swaps()
+        assert "node3" in h.job.excluded_nodes
+        assert h.job.nodes[agents[2]].state is NodeState.EXCLUDED
+        assert h.events("node_state_changed")[-1]["action"] == (
+            "swapped out for good: drained a second time in this job"
+        )
 
     run(body)
 
@@ -407,7 +456,7 @@ def test_a_drained_node_waiting_for_its_swap_goes_down(tmp_path: Path) -> None:
     run(body)
 
 
-def test_a_drained_spare_is_excluded_at_once_and_training_goes_on(tmp_path: Path) -> None:
+def test_a_drained_spare_is_benched_at_once_and_training_goes_on(tmp_path: Path) -> None:
     async def body() -> None:
         h = Harness(tmp_path, nnodes="3:3")
         reader = Reader({"node4": DRAINED["node4"]})  # IDLE+DRAIN: the spare
@@ -416,9 +465,32 @@ def test_a_drained_spare_is_excluded_at_once_and_training_goes_on(tmp_path: Path
         h.wait(spare)
         _, watch = _setup(h, tmp_path, reader)
         await _look(watch, reader, h)
-        assert h.job.nodes[spare].state is NodeState.EXCLUDED
+        assert _drained_out(h, "node4") and h.job.spares() == 0
         assert h.job.phase is Phase.RUNNING and not watch.pending
-        assert h.waits[spare].result().status is m.NodeStatus.EXCLUDED  # its agent exits
+        assert not h.waits[spare].done()  # its agent waits on its node, no hot spare
+        [changed] = h.events("node_state_changed")
+        assert changed["action"] == "benched while drained"
+
+    run(body)
+
+
+def test_a_drain_lifted_before_the_swap_leaves_the_node_training(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3")
+        reader = Reader({"node3": DRAINED["node3"]})
+        agents = h.start("node1", "node2", "node3")
+        hangs, watch = _setup(h, tmp_path, reader)
+        _beat(h, hangs, agents, step=10, saved=5)
+        await _look(watch, reader, h)
+        assert "node3" in watch.pending
+        reader.states = RESUMED  # an admin's mistake, undone
+        await _look(watch, reader, h)
+        assert not watch.pending and h.job.phase is Phase.RUNNING
+        assert h.events("node_state_changed")[-1]["action"] == "trains on: its drain was lifted"
+        _beat(h, hangs, agents, step=20, saved=20)
+        watch.check_swaps()
+        assert h.job.phase is Phase.RUNNING
+        assert h.job.nodes[agents[2]].state is NodeState.ACTIVE
 
     run(body)
 
@@ -435,7 +507,7 @@ def test_a_round_reopening_while_the_swap_waits_leaves_the_drained_node_out(
         await _look(watch, reader, h)
         assert "node3" in watch.pending
         h.job.apply([d.OpenRound(Phase.RESTARTING, "a worker failed")])
-        assert "node3" in h.job.excluded_nodes and not watch.pending
+        assert _drained_out(h, "node3") and not watch.pending
         assert h.job.phase is Phase.RESTARTING  # one round, not a second one for the swap
         h.rejoin(agents[:2])
         h.settle(1.5)
@@ -461,10 +533,10 @@ def test_a_drained_node_trains_on_while_the_job_would_fall_below_min(tmp_path: P
         _beat(h, hangs, agents, step=20, saved=20)
         h.clock.now += ns.SWAP_WAIT_MAX_S + 5
         watch.check_swaps()
-        assert h.job.phase is Phase.RUNNING and "node3" not in h.job.excluded_nodes
+        assert h.job.phase is Phase.RUNNING and not _drained_out(h, "node3")
         assert watch.pending["node3"].held
         h.job.apply([d.OpenRound(Phase.RESTARTING, "a worker failed")])
-        assert "node3" not in h.job.excluded_nodes and "node3" in watch.pending
+        assert not _drained_out(h, "node3") and "node3" in watch.pending
         h.rejoin(agents)
         h.settle(1.5)
         assert h.job.phase is Phase.RUNNING
@@ -474,10 +546,10 @@ def test_a_drained_node_trains_on_while_the_job_would_fall_below_min(tmp_path: P
         spare = h.join("node4")
         h.wait(spare)
         watch.check_swaps()  # a node to take its place: now it waits for a newer step in memory
-        assert h.job.phase is Phase.RUNNING and "node3" not in h.job.excluded_nodes
+        assert h.job.phase is Phase.RUNNING and not _drained_out(h, "node3")
         _beat(h, hangs, agents, step=25, saved=25)
         watch.check_swaps()
-        assert "node3" in h.job.excluded_nodes and h.job.phase is Phase.SHRINKING
+        assert _drained_out(h, "node3") and h.job.phase is Phase.SHRINKING
 
     run(body)
 
@@ -490,7 +562,7 @@ def test_a_job_that_saves_no_checkpoint_swaps_at_once(tmp_path: Path) -> None:
         hangs, watch = _setup(h, tmp_path, reader)
         _beat(h, hangs, agents, step=10, saved=-1)
         await _look(watch, reader, h)
-        assert "node3" in h.job.excluded_nodes and h.job.phase is Phase.SHRINKING
+        assert _drained_out(h, "node3") and h.job.phase is Phase.SHRINKING
 
     run(body)
 
@@ -508,7 +580,7 @@ def test_a_swap_waits_at_most_its_bound(tmp_path: Path) -> None:
         assert h.job.phase is Phase.RUNNING
         h.clock.now += 1
         watch.check_swaps()
-        assert "node3" in h.job.excluded_nodes and h.job.phase is Phase.SHRINKING
+        assert _drained_out(h, "node3") and h.job.phase is Phase.SHRINKING
 
     run(body)
 

@@ -5,7 +5,8 @@ training node is drained with ``scontrol update nodename=X state=drain reason=..
 which reads the job's node states with one ``scontrol -o show node`` every few seconds, says
 ``node_state_changed``, swaps the node out at the next step every rank holds in memory (so the
 new round restores exactly that step: 0 lost steps), never drains it again, and the spare takes
-its place; the job completes.  The node is resumed at the end.
+its place.  The drained node's agent waits on its node; once the node is resumed it is a hot
+spare again (a second ``node_state_changed``).  The job completes.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ STEPS = 500
 REASON = "test: nhc found a bad dimm"
 
 
-def _scontrol(*args: str) -> None:
-    subprocess.run(["scontrol", *args], check=True, capture_output=True, timeout=30)
+def _scontrol(*args: str, check: bool = True) -> None:
+    subprocess.run(["scontrol", *args], check=check, capture_output=True, timeout=30)
 
 
 @pytest.mark.timeout(600)
@@ -71,22 +72,34 @@ def test_a_node_drained_mid_run_is_swapped_out_losing_no_step(
             return rounds[0] if rounds else None
 
         second = wait_for(new_round, timeout_s=90, what="a round without the drained node")
+        _scontrol("update", f"nodename={drained}", "state=resume")
+        resumed_at = time.time()
+
+        def back() -> dict | None:
+            said = named(events(job_dir), "node_state_changed")
+            return said[1] if len(said) > 1 else None
+
+        returned = wait_for(back, timeout_s=60, what="the resumed node back as a spare")
         state = wait_job(job, timeout_s=300)
     finally:
-        if drained:
-            _scontrol("update", f"nodename={drained}", "state=resume")
+        if drained:  # resumed already, unless the test failed before
+            _scontrol("update", f"nodename={drained}", "state=resume", check=False)
         subprocess.run(["scancel", job], check=False, timeout=30)
     evs = events(job_dir)
     context = (
         f"events: {[(e['event'], e.get('node')) for e in evs if 'checkpoint' not in e['event']]}"
     )
-    [changed] = named(evs, "node_state_changed")
+    changed, back_again = named(evs, "node_state_changed")
     detected_s = changed["time"] - drained_at
     out_s = second["time"] - drained_at
     print(
         f"drained {drained}: node_state_changed after {detected_s:.1f} s, "
-        f"round {second['round']} without it after {out_s:.1f} s"
+        f"round {second['round']} without it after {out_s:.1f} s; resumed: a spare again after "
+        f"{returned['time'] - resumed_at:.1f} s"
     )
+    assert back_again == returned and back_again["node"] == drained, back_again
+    assert "DRAIN" not in back_again["slurm_state"], back_again
+    assert back_again["action"] == "back as a hot spare: its drain was lifted", back_again
     assert changed["node"] == drained and "DRAIN" in changed["slurm_state"], changed
     assert changed["reason"].startswith(REASON), changed
     assert drained not in second["nodes"] and len(second["nodes"]) == 3, second
