@@ -118,6 +118,9 @@ class Agent:
         self._stop = asyncio.Event()
         #: the master ended the job to continue it (time limit, preemption): StopAt
         self._continues = False
+        #: its workers' last round ended with training done, not at the stop step: the master
+        #: continues nothing then (stopping.conclude), so the local tier goes at the end
+        self._trained_out = False
         self._round_changed = asyncio.Event()
         self._master_gone = False  # the link gave up reconnecting
         # The workers left the last round in-process and wait for the next (issue 26).
@@ -263,7 +266,9 @@ class Agent:
             # the master requeues it after the agents ended); sweep_stale_tiers takes it later
             # when the continuation is a new job instead.
             await asyncio.to_thread(
-                self.saver.close, not keep, remove_local_tier=not (keep or self._continues)
+                self.saver.close,
+                not keep,
+                remove_local_tier=not (keep or (self._continues and not self._trained_out)),
             )
             await asyncio.to_thread(replicas.close)
             beats.cancel()
@@ -411,6 +416,7 @@ class Agent:
             self.workers.stop()
             final = await asyncio.to_thread(self.watchdog.poll)  # each rank's last step
             stopped = self.watchdog.stopped()
+            self._trained_out = not stopped
             self.watchdog.stop_round()
             checkpoints = await asyncio.to_thread(self._persist_for_the_end)
             await self.link.request(
