@@ -180,6 +180,24 @@ def lifted(
     return sorted(out)
 
 
+def leaving(node: str, reason: str, *, again: bool) -> Park | d.Exclude:
+    """How a drained node leaves the rounds: benched while drained; excluded for good when it
+    was drained before in this job and came back (``again``: a node that flaps)."""
+    return d.Exclude(node, reason) if again else Park(node, reason)
+
+
+def said_action(v: Verdict, *, swap: bool, again: bool) -> str:
+    """The ``action`` of a ``node_state_changed`` for a verdict acted on."""
+    if v is Verdict.LOST:
+        return "lost at once"
+    how = "swapped out" if swap else "excluded"
+    if again:
+        return f"{how} for good: drained a second time in this job"
+    if swap:
+        return "swapped out at the next step every rank holds in memory"
+    return "benched while drained"
+
+
 def respond(
     change: Changed,
     records: Sequence[NodeRecord],
@@ -199,9 +217,7 @@ def respond(
     training = any(n.state is NodeState.ACTIVE and n.round == round for n in on_node)
     if training and phase is Phase.RUNNING:
         return [SwapAtSave(change.node, why)]
-    if not on_node:
-        return []
-    return [d.Exclude(change.node, why)] if again else [Park(change.node, why)]
+    return [leaving(change.node, why, again=again)] if on_node else []
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -321,13 +337,7 @@ class NodeStateWatch:
             swap = [a for a in actions if isinstance(a, SwapAtSave)]
             if change.verdict is Verdict.LOST:
                 self.pending.pop(change.node, None)
-            how = "lost at once" if change.verdict is Verdict.LOST else "benched while drained"
-            if swap:
-                how = "swapped out at the next step every rank holds in memory"
-            if again and change.verdict is Verdict.SWAP:
-                how = ("swapped out" if swap else "excluded") + (
-                    " for good: drained a second time in this job"
-                )
+            how = said_action(change.verdict, swap=bool(swap), again=again)
             log.warning(
                 "node state changed node=%s slurm_state=%s reason=%r: %s",
                 change.node,
@@ -423,10 +433,7 @@ class NodeStateWatch:
     def _leave(self, node: str, reason: str) -> None:
         """A drained node that trained goes: benched while drained, or excluded for good when
         it was drained before in this job."""
-        if node in self.returned:
-            self._exclude(node, reason)
-        else:
-            self.job.bench(node, reason, drained=True)
+        self._apply([leaving(node, reason, again=node in self.returned)])
 
     def _exclude(self, node: str, reason: str) -> None:
         """Tell the node's training agents their round is over, then exclude it (the round

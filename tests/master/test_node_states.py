@@ -324,6 +324,19 @@ async def _look(watch: NodeStateWatch, reader: Reader, h: Harness) -> None:
     await watch._poll(nodes)
 
 
+async def _node3_drained(
+    h: Harness, tmp: Path, *, saved: int
+) -> tuple[Reader, list[str], HangWatch, NodeStateWatch]:
+    """node1-3 train at step 10 (``saved``: the step every rank holds in memory); one look
+    finds node3 MIXED+DRAIN."""
+    reader = Reader({"node3": DRAINED["node3"]})
+    agents = h.start("node1", "node2", "node3")
+    hangs, watch = _setup(h, tmp, reader)
+    _beat(h, hangs, agents, step=10, saved=saved)
+    await _look(watch, reader, h)
+    return reader, agents, hangs, watch
+
+
 def test_a_drained_node_is_swapped_at_the_next_step_in_memory_and_a_spare_once_resumed(
     tmp_path: Path,
 ) -> None:
@@ -477,11 +490,7 @@ def test_a_drained_spare_is_benched_at_once_and_training_goes_on(tmp_path: Path)
 def test_a_drain_lifted_before_the_swap_leaves_the_node_training(tmp_path: Path) -> None:
     async def body() -> None:
         h = Harness(tmp_path, nnodes="2:3")
-        reader = Reader({"node3": DRAINED["node3"]})
-        agents = h.start("node1", "node2", "node3")
-        hangs, watch = _setup(h, tmp_path, reader)
-        _beat(h, hangs, agents, step=10, saved=5)
-        await _look(watch, reader, h)
+        reader, agents, hangs, watch = await _node3_drained(h, tmp_path, saved=5)
         assert "node3" in watch.pending
         reader.states = RESUMED  # an admin's mistake, undone
         await _look(watch, reader, h)
@@ -500,11 +509,7 @@ def test_a_round_reopening_while_the_swap_waits_leaves_the_drained_node_out(
 ) -> None:
     async def body() -> None:
         h = Harness(tmp_path, nnodes="2:3")
-        reader = Reader({"node3": DRAINED["node3"]})
-        agents = h.start("node1", "node2", "node3")
-        hangs, watch = _setup(h, tmp_path, reader)
-        _beat(h, hangs, agents, step=10, saved=10)
-        await _look(watch, reader, h)
+        _reader, agents, _hangs, watch = await _node3_drained(h, tmp_path, saved=10)
         assert "node3" in watch.pending
         h.job.apply([d.OpenRound(Phase.RESTARTING, "a worker failed")])
         assert _drained_out(h, "node3") and not watch.pending
@@ -524,11 +529,7 @@ def test_a_drained_node_trains_on_while_the_job_would_fall_below_min(tmp_path: P
 
     async def body() -> None:
         h = Harness(tmp_path, nnodes="3:4")
-        reader = Reader({"node3": DRAINED["node3"]})
-        agents = h.start("node1", "node2", "node3")
-        hangs, watch = _setup(h, tmp_path, reader)
-        _beat(h, hangs, agents, step=10, saved=10)
-        await _look(watch, reader, h)
+        _reader, agents, hangs, watch = await _node3_drained(h, tmp_path, saved=10)
         assert "node3" in watch.pending
         _beat(h, hangs, agents, step=20, saved=20)
         h.clock.now += ns.SWAP_WAIT_MAX_S + 5
@@ -557,11 +558,7 @@ def test_a_drained_node_trains_on_while_the_job_would_fall_below_min(tmp_path: P
 def test_a_job_that_saves_no_checkpoint_swaps_at_once(tmp_path: Path) -> None:
     async def body() -> None:
         h = Harness(tmp_path, nnodes="2:3")
-        reader = Reader({"node3": DRAINED["node3"]})
-        agents = h.start("node1", "node2", "node3")
-        hangs, watch = _setup(h, tmp_path, reader)
-        _beat(h, hangs, agents, step=10, saved=-1)
-        await _look(watch, reader, h)
+        _reader, _agents, _hangs, _watch = await _node3_drained(h, tmp_path, saved=-1)
         assert _drained_out(h, "node3") and h.job.phase is Phase.SHRINKING
 
     run(body)
@@ -570,11 +567,7 @@ def test_a_job_that_saves_no_checkpoint_swaps_at_once(tmp_path: Path) -> None:
 def test_a_swap_waits_at_most_its_bound(tmp_path: Path) -> None:
     async def body() -> None:
         h = Harness(tmp_path, nnodes="2:3")
-        reader = Reader({"node3": DRAINED["node3"]})
-        agents = h.start("node1", "node2", "node3")
-        hangs, watch = _setup(h, tmp_path, reader)
-        _beat(h, hangs, agents, step=10, saved=5)
-        await _look(watch, reader, h)
+        _reader, _agents, _hangs, watch = await _node3_drained(h, tmp_path, saved=5)
         h.clock.now += ns.SWAP_WAIT_MAX_S - 1
         watch.check_swaps()
         assert h.job.phase is Phase.RUNNING
