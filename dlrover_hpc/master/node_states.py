@@ -23,6 +23,9 @@ slow or failing scontrol only delays the next look, never the master's loop), an
   good: a node that flaps costs a restart each time.
 - DOWN, or NOT_RESPONDING on two looks in a row: the node's agents are lost at once
   (``node_lost``).
+- A node lost that comes back (up in Slurm, an agent of the job on it again: a node back
+  from a crash that a replacement or a relaunch took) is watched afresh: its next drain is
+  acted on as any other's.
 - A node the master took out itself (excluded; its own drain's reason names the job) is not
   acted on again.
 
@@ -180,6 +183,17 @@ def lifted(
     return sorted(out)
 
 
+def recovered(states: Mapping[str, SlurmNode], *, said: Mapping[str, Verdict]) -> list[str]:
+    """The nodes acted on as lost (DOWN) that Slurm marks up again, with an agent of this job
+    on them once more (a node back from a crash, taken by a replacement or a relaunch): a
+    later drain or loss of theirs is news (a node Slurm did not print is left as it was)."""
+    return sorted(
+        node
+        for node, before in said.items()
+        if before is Verdict.LOST and node in states and verdict(states[node]) is None
+    )
+
+
 def leaving(node: str, reason: str, *, again: bool) -> Park | d.Exclude:
     """How a drained node leaves the rounds: benched while drained; excluded for good when it
     was drained before in this job and came back (``again``: a node that flaps)."""
@@ -319,6 +333,9 @@ class NodeStateWatch:
         job = self.job
         if job.ended:
             return
+        for node in recovered(states, said=self.said):
+            del self.said[node]  # watched again: its agents are back (only those are asked)
+            log.info("node back up node=%s: its Slurm state is watched again", node)
         before, self._unresponsive = self._unresponsive, unresponsive(states)
         found = changes(
             states,

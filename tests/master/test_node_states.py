@@ -240,6 +240,27 @@ def test_lifted_drains(now: str, said: dict[str, Verdict], expected: list[str]) 
     assert ns.lifted(_shown(now), said=said, job_id="7") == expected
 
 
+@pytest.mark.parametrize(
+    ("now", "said", "expected"),
+    [
+        # lost, then up again in Slurm (ALLOCATED, IDLE): watched afresh; a drain is no loss
+        (
+            "show_nodes_resumed.txt",
+            {"node2": Verdict.LOST, "node4": Verdict.LOST},
+            ["node2", "node4"],
+        ),
+        ("show_nodes_resumed.txt", {"node3": Verdict.SWAP}, []),
+        # still down, or drained now (a drain is news only once it is watched afresh)
+        ("show_nodes_down_not_responding.txt", {"node2": Verdict.LOST, "node3": Verdict.LOST}, []),
+        ("show_nodes_drained.txt", {"node1": Verdict.LOST}, []),
+        # a node Slurm did not print waits for the next look
+        ("show_nodes_resumed.txt", {"node9": Verdict.LOST}, []),
+    ],
+)
+def test_recovered_nodes(now: str, said: dict[str, Verdict], expected: list[str]) -> None:
+    assert ns.recovered(_shown(now), said=said) == expected
+
+
 # ------------------------------------------------------------------------ swap_due
 PENDING = ns.Pending(reason=WHY, wait=d.ScaleUpWait(since=100.0, after_step=40))
 
@@ -423,6 +444,38 @@ def test_a_down_node_is_lost_at_once(tmp_path: Path) -> None:
         assert h.job.phase is Phase.SHRINKING
         await _look(watch, reader, h)  # lost is not watched any more: nothing again
         assert len(h.events("node_state_changed")) == 1
+
+    run(body)
+
+
+def test_a_node_back_from_a_crash_is_watched_again_and_its_drain_acted_on(tmp_path: Path) -> None:
+    """Soak seed 1: node3 crashed (DOWN: lost), came back through a replacement job and
+    trained; an admin drain of it 160 s later went unseen (its loss was remembered as final),
+    so it trained on drained."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3")
+        reader = Reader(_shown("show_nodes_down_not_responding.txt"))  # node2: DOWN+NOT_RESP.
+        agents = h.start("node1", "node2", "node4")
+        hangs, watch = _setup(h, tmp_path, reader)
+        _beat(h, hangs, agents, step=10, saved=10)
+        await _look(watch, reader, h)
+        assert h.job.nodes[agents[1]].state is NodeState.LOST
+        back = h.join("node2")  # its replacement's agent: a hot spare
+        h.wait(back)
+        reader.states = RESUMED  # node2 ALLOCATED again
+        await _look(watch, reader, h)
+        assert "node2" in reader.calls[-1] and "node2" not in watch.said
+        assert len(h.events("node_state_changed")) == 1  # coming back is no state change
+        drained = SlurmNode(
+            name="node2", state="ALLOCATED", flags=frozenset({"DRAIN"}), reason="admin drain"
+        )
+        reader.states = {**RESUMED, "node2": drained}
+        await _look(watch, reader, h)
+        changed = h.events("node_state_changed")[-1]
+        assert changed["node"] == "node2" and changed["slurm_state"] == "ALLOCATED+DRAIN"
+        rec = h.job.nodes[back]  # a spare drained: benched at once, waiting on its node
+        assert rec.state is NodeState.BENCHED and rec.drained
 
     run(body)
 
