@@ -32,6 +32,7 @@ async def report_failure(
             classification=diagnosis.kind.value,
             reason=f"{diagnosis.reason} [{'; '.join(diagnosis.evidence)[:600]}]",
             progress=progress or [],
+            rule=diagnosis.rule,
         ),
         m.Ack,
         timeout_s=30,

@@ -14,7 +14,11 @@ every round's end is judged here, whatever ended it:
   :data:`EXIT_CODE`, naming the repeated failure; a round that ended for no failure (a
   scale-up, a straggler swap) without progress neither counts nor breaks the run of them;
 - a node that was the cause in two of the last K rounds (the window) is excluded (never
-  admitted again in this job), when the others are still at least MIN nodes.
+  admitted again in this job), when the others are still at least MIN nodes.  A worker
+  killed from outside (SIGKILL without OOM evidence: an operator, a script, Slurm) is no
+  fault of its node: such a round fails, but it is not charged to the node (soak seed 1: a
+  killed worker and then a link cut on the same node, 400 steps apart, excluded it for
+  good, and the job later waited 60 s below MIN).
 
 :func:`judge` is pure (a :class:`Guard` and a :class:`RoundEnd` in, the next guard and
 :mod:`~dlrover_hpc.master.decisions` actions out); :class:`RoundTally` gathers a running
@@ -39,6 +43,9 @@ EXIT_CODE = 3
 #: The causes that are not the agents' classifications of a worker failure.
 NODE_LOST = "node_lost"
 HANG = "hang"
+#: The diagnosis rules (``dlrover_hpc.diagnosis.classify``) of a worker ended from outside:
+#: its round failed, but not by its node's fault.
+EXTERNAL_RULES = frozenset({"killed"})
 #: An error line is cut to this many characters.
 ERROR_CHARS = 300
 
@@ -52,6 +59,7 @@ class Failure:
     rank: int  # the failed worker's global rank; a lost node: its first rank (-1: unknown)
     classification: str  # software | hardware | peer | node_lost | hang
     error: str  # the first line of the error, as the agent's diagnosis has it
+    external: bool = False  # ended from outside (:data:`EXTERNAL_RULES`): not its node's fault
 
     @property
     def signature(self) -> tuple[int, str]:
@@ -158,10 +166,12 @@ def judge(
     if failure is None or failure.classification == d.PEER:
         return guard, []  # a node whose worker only lost a peer did not fail on its own
     node = failure.node
+    if failure.external:
+        return guard, []  # a kill from outside says nothing about its node
     caused = [
         f.round
         for f in guard.window
-        if f is not None and f.node == node and f.classification != d.PEER
+        if f is not None and f.node == node and f.classification != d.PEER and not f.external
     ]
     others = {n for n in usable if n != node}
     out = node in guard.excluded or node in excluded

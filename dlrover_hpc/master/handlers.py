@@ -335,6 +335,7 @@ class AgentHandlers:
                 rank=msg.rank,
                 classification=msg.classification,
                 error=crash_loop.error_line(msg.reason),
+                external=msg.rule in crash_loop.EXTERNAL_RULES,
             )
         )
         on_node = [n for n in self.job.nodes.values() if n.node == rec.node]

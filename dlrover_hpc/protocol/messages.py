@@ -212,6 +212,9 @@ class WorkerFailed(Message):
     reason: str
     #: its node's ranks' last steps (the crash-loop guard's progress; empty: not known)
     progress: list[RankProgress] = dataclasses.field(default_factory=list)
+    #: the diagnosis rule that decided the classification (``killed``: a SIGKILL without OOM
+    #: evidence; "": an older agent)
+    rule: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -391,3 +391,54 @@ def test_a_round_a_node_only_lost_a_peer_in_does_not_count_towards_its_exclusion
         )
         said += actions
     assert said == []
+
+
+KILLED = (
+    "the worker was killed with SIGKILL without OOM evidence (by the agent, Slurm or an operator)"
+)
+
+
+def test_a_worker_killed_from_outside_is_not_charged_to_its_node() -> None:
+    """Soak seed 1: a worker of n1 SIGKILLed by an operator, 400 steps later n1's link cut
+    (node lost): two causes on n1 in the window, but the kill was no fault of n1's, so n1
+    stays.  A second loss of n1 is its own again: excluded then."""
+    guard = cl.Guard(rounds=3)
+    killed = cl.Failure(round=1, node="n1", rank=0, classification="software", error=KILLED,
+                        external=True)  # fmt: skip
+    said = []
+    for r, failure in enumerate(
+        [killed, fail(2, kind=cl.NODE_LOST, error="link timed out")], start=1
+    ):
+        guard, actions = cl.judge(guard, end(r, failure, step=400 * r), usable=NODES, min_nodes=2)
+        said += actions
+    assert said == []
+    lost = fail(3, kind=cl.NODE_LOST, error="link timed out")
+    guard, actions = cl.judge(guard, end(3, lost, step=1200), usable=NODES, min_nodes=2)
+    assert actions == [excluded("n1", 2, 3, lost)]
+
+
+def test_kills_from_outside_without_progress_still_end_the_job_as_a_crash_loop() -> None:
+    """A worker killed at the same point each attempt (a watchdog of the site's, say) fails
+    the rounds: K of them in a row without progress stop the job; its node is never
+    excluded for them."""
+    guard, said = cl.Guard(rounds=3), []
+    for r in range(1, 5):
+        killed = cl.Failure(
+            round=r, node="n1", rank=0, classification="software", error=KILLED, external=True
+        )
+        guard, actions = cl.judge(guard, end(r, killed), usable=NODES, min_nodes=2)
+        said.append(actions)
+    assert not any(isinstance(a, d.Exclude) for actions in said for a in actions)
+    assert any(isinstance(a, d.Finish) for a in said[-1])
+
+
+def test_the_diagnosis_rule_of_an_outside_kill_is_external() -> None:
+    from dlrover_hpc.diagnosis.classify import classify
+    from dlrover_hpc.diagnosis.evidence import FailureEvidence
+
+    diagnosis = classify(FailureEvidence(exit_code=-9))
+    assert diagnosis.rule in cl.EXTERNAL_RULES
+    assert m.WorkerFailed(
+        agent_id="a", round=1, local_rank=0, rank=0, exit_code=-9, signal="SIGKILL",
+        classification="software", reason="", rule=diagnosis.rule,
+    ).rule == "killed"  # fmt: skip
