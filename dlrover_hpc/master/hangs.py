@@ -120,6 +120,10 @@ COLLECT_TIMEOUT_S = 15.0
 #: replacement, or the others train on without it (they are enough, and faster so)
 SWAP = "swap at the next checkpoint"
 LEAVE = "leave at the next checkpoint (the others are faster without it)"
+#: ... for the benched straggler a round short of MIN takes back (it was this much slower)
+TRADE = "swap at the next checkpoint for the benched node {node} ({ratio:.1f}x when benched)"
+#: a benched straggler is taken back for a new one that is this many times slower than it was
+TRADE_MARGIN = 1.5
 HANGS_PER_NODE_FAULT = 2  # the second hang blamed on a node excludes it
 
 
@@ -159,6 +163,9 @@ class HangWatch:
         #: the rank's own work is slow (rank 0's logging, an uneven split), not the node
         self._swapped_ranks: dict[int, str] = {}
         self._swap: str | None = None  # a straggler's node, out at the next checkpoint
+        self._swap_ratio = 0.0  # ... how much slower than its peers it was
+        #: node -> how much slower than its peers it was when benched as a straggler
+        self._benched_ratio: dict[str, float] = {}
         self._ending_since: float | None = None  # when ranks were first seen exited at the end
         self._exit_ended = False  # ranks hung at exit were ended in this round
         self._stall_reported = False  # progress_stalled was said in this episode
@@ -453,7 +460,7 @@ class HangWatch:
                 or ("reported (slow on its previous node too)" if again else "reported"),
             )
             if swap:
-                self._plan_swap(node)
+                self._plan_swap(node, found.ratio)
         self._check_links(now)
 
     def _swap_wanted(self, slowdown: float) -> str:
@@ -470,7 +477,31 @@ class HangWatch:
         nodes = len(self.job.participants())
         if running and d.shrink_wins(nodes, slowdown, min_nodes=self.job.config.nnodes.min):
             return LEAVE
+        back = self._taken_back() if running else None
+        if back is not None and self._benched_ratio[back] * TRADE_MARGIN <= slowdown:
+            return TRADE.format(node=back, ratio=self._benched_ratio[back])
         return ""
+
+    def _taken_back(self) -> str | None:
+        """The benched straggler's node that a round short of MIN takes back first (the
+        job's ``_reserve``: benched longest), if it waits there; None: none does.  With no
+        spare and at MIN, a straggler much slower than that one was is traded for it: the
+        job runs at its slowest node's pace, and the benched one has had time to recover
+        (soak seed 1: a link at 1/100 of its peers' rate crawled 2 minutes at MIN 3, a node
+        benched 3.6x slow 100 s before waiting idle)."""
+        benched = [
+            n
+            for n in self.job.nodes.values()
+            if n.state is NodeState.BENCHED
+            and not n.drained
+            and n.disconnected_at is None
+            and n.waiter is not None
+            and not n.waiter.done()
+        ]
+        if not benched:
+            return None
+        first = min(benched, key=lambda n: (n.joined_at, n.agent_id))
+        return first.node if first.node in self._benched_ratio else None
 
     def _check_links(self, now: float) -> None:
         rtts = {}
@@ -530,15 +561,15 @@ class HangWatch:
             action=swap or "reported",
         )
         if swap:
-            self._plan_swap(node)
+            self._plan_swap(node, found.ratio)
 
     def straggler_nodes(self) -> list[str]:
         """The nodes of the stragglers reported in this round (and slow links), sorted."""
         nodes = {self._seen[r].node for r in self._reported if r in self._seen}
         return sorted(nodes | self._reported_links)
 
-    def _plan_swap(self, node: str) -> None:
-        self._swap = node
+    def _plan_swap(self, node: str, ratio: float) -> None:
+        self._swap, self._swap_ratio = node, ratio
         self._swap_after = max((s.progress.step for s in self._seen.values()), default=-1)
 
     def committed(self) -> None:
@@ -571,6 +602,7 @@ class HangWatch:
         if node is None:
             return
         log.warning("swapping out the straggler's node node=%s: %s", node, why)
+        self._benched_ratio[node] = self._swap_ratio
         self.job.apply([d.Bench(node, "runtime straggler")])
 
     def round_opening(self) -> None:
@@ -588,6 +620,7 @@ class HangWatch:
         if len(others) >= self.job.config.nnodes.min:
             self._swap = None
             log.warning("straggler's node left out of the next round node=%s", node)
+            self._benched_ratio[node] = self._swap_ratio
             self.job.bench(node, "runtime straggler")
 
     # ------------------------------------------------------------------ stacks

@@ -639,6 +639,87 @@ def test_a_benched_straggler_is_taken_back_only_when_a_round_would_wait_below_mi
     run(body)
 
 
+def _paced_straggler(
+    h: Harness, watch: HangWatch, pace: dict[str, float], step: int
+) -> tuple[list[dict], int]:
+    """Heartbeats from the running round's agents until a straggler is reported: each
+    agent's ranks compute ``pace[agent]`` s a step and wait for the slowest; returns the
+    new straggler_detected events and the step reached."""
+    before, deadline = len(h.events("straggler_detected")), h.clock.now + 200
+    slowest = max(pace.values())
+    while h.clock.now < deadline:
+        step += 1
+        for agent, compute in pace.items():
+            progress = [
+                m.RankProgress(
+                    rank=rank,
+                    step=step,
+                    stalled_s=0.0,
+                    at=1000.0 + step,
+                    compute_s=compute,
+                    wait_s=slowest - compute,
+                    saved_step=-1,
+                    p99_s=slowest + 0.1,
+                )
+                for rank in _ranks(h, agent)
+            ]
+            watch.heartbeat(h.job.nodes[agent].node, progress)
+        watch.check()
+        if found := h.events("straggler_detected")[before:]:
+            return found, step
+        h.clock.now += 1.0
+    raise AssertionError("no straggler_detected")
+
+
+def test_at_min_a_much_slower_straggler_is_traded_for_the_benched_one(tmp_path: Path) -> None:
+    """Soak seed 1: a node 3.6x slow was benched (the others faster without it); 100 s
+    later, at MIN with no spare and no replacement, a node's link made steps 100x slower,
+    and it was only reported while the benched node waited idle.  Now the new straggler is
+    traded for the benched one (the job runs at its slowest node's pace); one not much
+    slower than the benched one was is only reported."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="3:4")
+        agents = h.start("n1", "n2", "n3", "n4")
+        h.job.can_replace = False
+        watch = _watch(h, tmp_path)
+        watch.straggler_factor = 2.0
+        fast = {a: 0.1 for a in agents}
+        [first, *_], step = _paced_straggler(h, watch, {**fast, agents[3]: 0.3}, 0)
+        assert first["node"] == "n4" and first["action"] == hangs.LEAVE
+        watch.committed()
+        n4 = h.job.nodes[agents[3]]
+        assert n4.state is NodeState.BENCHED
+        for agent in agents:  # n4's agent waits on its node, benched
+            h.wait(agent, after=1)
+        h.settle(1.5)
+        assert (h.job.phase, h.job.round) == (Phase.RUNNING, 2)
+        # n3 twice as slow as n4 was: not enough for a trade
+        three = {a: 0.1 for a in agents[:3]}
+        [found, *_], step = _paced_straggler(h, watch, {**three, agents[2]: 0.4}, step)
+        assert found["node"] == "n3" and found["action"] == "reported", found
+        watch.committed()
+        assert h.job.phase is Phase.RUNNING and n4.state is NodeState.BENCHED
+        # the next round: n2 at 6x, two times slower than n4 was: traded for it
+        h.job.apply([d.OpenRound(Phase.RESTARTING, "test: a worker failed")])
+        for agent in agents[:3]:
+            h.wait(agent, after=2)
+        h.settle(1.5)
+        assert (h.job.phase, h.job.round) == (Phase.RUNNING, 3)
+        [found, *_], step = _paced_straggler(h, watch, {**three, agents[1]: 0.6}, step)
+        assert found["node"] == "n2"
+        assert found["action"] == hangs.TRADE.format(node="n4", ratio=3.0), found
+        watch.committed()
+        assert h.job.nodes[agents[1]].state is NodeState.BENCHED
+        for agent in (agents[0], agents[2]):
+            h.wait(agent, after=3)
+        h.settle(1.5)
+        assert (h.job.phase, h.job.round) == (Phase.RUNNING, 4)
+        assert sorted(n.node for n in h.job.participants()) == ["n1", "n3", "n4"]
+
+    run(body)
+
+
 def test_a_round_that_can_wait_for_a_node_does_not_take_a_benched_one(tmp_path: Path) -> None:
     async def body() -> None:
         h = Harness(tmp_path, nnodes="2:3")
