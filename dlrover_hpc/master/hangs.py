@@ -468,7 +468,9 @@ class HangWatch:
         checkpoint, if it goes ("": reported only): swapped when a spare waits to take its
         place, or the others are enough and Slurm may give a replacement (or the user asked
         for --exclude-straggler); left out, the others training on alone, when they are enough
-        and faster without it (:func:`decisions.shrink_wins`); and no other swap is pending."""
+        and faster without it (:func:`decisions.shrink_wins`); traded for the benched
+        straggler a round short of MIN takes back, when it is :data:`TRADE_MARGIN` times slower
+        than that one was (:meth:`_taken_back`); and no other swap is pending."""
         if self._swap is not None:
             return ""
         if self.exclude_straggler or self.job.can_swap_out():
