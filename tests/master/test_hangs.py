@@ -310,20 +310,36 @@ def _timed_beat(
     per_agent = saved if isinstance(saved, list) else [saved] * len(agents)
     timings = ((0.1, 0.4), (0.1, 0.4), (0.5, 0.0))
     for agent, (compute, wait), last_saved in zip(agents, timings, per_agent, strict=True):
-        progress = [
-            m.RankProgress(
-                rank=rank,
-                step=step,
-                stalled_s=0.0,
-                at=1000.0 + step,
-                compute_s=compute,
-                wait_s=wait,
-                saved_step=last_saved,
-                p99_s=0.6,  # past its warm-up: fail-slow evidence counts
-            )
-            for rank in _ranks(h, agent)
-        ]
-        watch.heartbeat(h.job.nodes[agent].node, progress)
+        _agent_beat(h, watch, agent, step, compute=compute, wait=wait, saved=last_saved, p99=0.6)
+
+
+def _agent_beat(
+    h: Harness,
+    watch: HangWatch,
+    agent: str,
+    step: int,
+    *,
+    compute: float,
+    wait: float,
+    saved: int,
+    p99: float,
+) -> None:
+    """One heartbeat of ``agent``'s ranks at ``step`` (``p99``: past its warm-up, so
+    fail-slow evidence counts)."""
+    progress = [
+        m.RankProgress(
+            rank=rank,
+            step=step,
+            stalled_s=0.0,
+            at=1000.0 + step,
+            compute_s=compute,
+            wait_s=wait,
+            saved_step=saved,
+            p99_s=p99,
+        )
+        for rank in _ranks(h, agent)
+    ]
+    watch.heartbeat(h.job.nodes[agent].node, progress)
 
 
 def _sustained_straggler(h: Harness, watch: HangWatch, agents: list[str]) -> list[dict]:
@@ -650,20 +666,8 @@ def _paced_straggler(
     while h.clock.now < deadline:
         step += 1
         for agent, compute in pace.items():
-            progress = [
-                m.RankProgress(
-                    rank=rank,
-                    step=step,
-                    stalled_s=0.0,
-                    at=1000.0 + step,
-                    compute_s=compute,
-                    wait_s=slowest - compute,
-                    saved_step=-1,
-                    p99_s=slowest + 0.1,
-                )
-                for rank in _ranks(h, agent)
-            ]
-            watch.heartbeat(h.job.nodes[agent].node, progress)
+            wait = slowest - compute
+            _agent_beat(h, watch, agent, step, compute=compute, wait=wait, saved=-1, p99=0.7)
         watch.check()
         if found := h.events("straggler_detected")[before:]:
             return found, step

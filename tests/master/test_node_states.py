@@ -428,7 +428,7 @@ def test_a_drained_node_is_swapped_at_the_next_step_in_memory_and_a_spare_once_r
     run(body)
 
 
-def test_a_down_node_is_lost_at_once(tmp_path: Path) -> None:
+def test_a_down_node_is_lost_at_once_and_watched_afresh_once_back(tmp_path: Path) -> None:
     async def body() -> None:
         h = Harness(tmp_path, nnodes="2:3")
         reader = Reader(_shown("show_nodes_down_not_responding.txt"))  # node2: DOWN+NOT_RESP.
@@ -444,23 +444,8 @@ def test_a_down_node_is_lost_at_once(tmp_path: Path) -> None:
         assert h.job.phase is Phase.SHRINKING
         await _look(watch, reader, h)  # lost is not watched any more: nothing again
         assert len(h.events("node_state_changed")) == 1
-
-    run(body)
-
-
-def test_a_node_back_from_a_crash_is_watched_again_and_its_drain_acted_on(tmp_path: Path) -> None:
-    """Soak seed 1: node3 crashed (DOWN: lost), came back through a replacement job and
-    trained; an admin drain of it 160 s later went unseen (its loss was remembered as final),
-    so it trained on drained."""
-
-    async def body() -> None:
-        h = Harness(tmp_path, nnodes="2:3")
-        reader = Reader(_shown("show_nodes_down_not_responding.txt"))  # node2: DOWN+NOT_RESP.
-        agents = h.start("node1", "node2", "node4")
-        hangs, watch = _setup(h, tmp_path, reader)
-        _beat(h, hangs, agents, step=10, saved=10)
-        await _look(watch, reader, h)
-        assert h.job.nodes[agents[1]].state is NodeState.LOST
+        # Soak seed 1: node3 crashed (lost), came back through a replacement job and trained;
+        # an admin drain of it 160 s later went unseen (its loss was remembered as final)
         back = h.join("node2")  # its replacement's agent: a hot spare
         h.wait(back)
         reader.states = RESUMED  # node2 ALLOCATED again
