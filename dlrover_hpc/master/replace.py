@@ -65,6 +65,12 @@ class Replacer:
             f"-N{count}",
             f"--job-name=dlrover-hpc-repl-{self.job_id}",
             f"--output={self.job_dir}/replacement-%j.out",
+            # Never requeued by Slurm: a replacement whose node went DOWN (a link cut past
+            # SlurmdTimeout) would be launched again after Slurm's 120 s hold, as a second
+            # agent the master did not ask for, or onto the same node, still running the
+            # first launch's step: Slurm then drains that healthy node ("Duplicate jobid").
+            # The master asks for another replacement itself when it needs one.
+            "--no-requeue",
             # The agents find this master and the job's token in the environment.
             f"--export=ALL,{environ.MASTER}={self.master_addr},"
             f"{environ.JOB_DIR}={self.job_dir},{environ.REPLACES}={self.job_id}",

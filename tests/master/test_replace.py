@@ -52,6 +52,7 @@ def test_request_avoids_faulty_nodes_and_the_jobs_allocation(tmp_path: Path) -> 
     squeue, sbatch = slurm.calls
     assert squeue == ["squeue", "-h", "-j", "12", "-o", "%T %N"]
     assert "-N2" in sbatch and "--exclude=node[1-3,5]" in sbatch
+    assert "--no-requeue" in sbatch  # the master asks again itself (Slurm's requeue drained nodes)
     (event,) = map(json.loads, (tmp_path / "events.jsonl").read_text().splitlines())
     assert event["event"] == "replacement_requested" and event["job"] == "77"
     assert event["exclude"] == ["node1", "node2", "node3", "node5"]

@@ -272,7 +272,10 @@ def test_replacement_job_joins_when_no_spare_is_left(
     assert sorted(_last_round_nodes(evs)) == ["node1", "node2", "node4"]
     assert json.loads((shared_tmp / "result.json").read_text())["group_world_size"] == 3
     repl = requested[0]["job"]
-    wait_for(lambda: wait_job(repl, timeout_s=60), timeout_s=61, what="replacement job end")
+    ended = wait_for(lambda: wait_job(repl, timeout_s=60), timeout_s=61, what="replacement job end")
+    # Slurm never requeues a replacement (a requeued one came back 120 s later and drained
+    # its own node with "Duplicate jobid"): the master asks for another itself.
+    assert ended["Requeue"] == "0", ended
 
 
 def test_requeue_when_below_min_nodes_resumes_from_checkpoint(
