@@ -6,7 +6,9 @@ rank, and as many micro-steps as the world size needs (4 ranks: 3, 3 ranks: 4 fo
 A checkpoint holds the model, the optimizer and the sampler's position, so a restart at another
 world size goes on with the very samples the job had not trained.  With ``--sample-log DIR``
 each rank appends one JSON line per optimizer step (round, step, its samples); rank 0 adds the
-global batch's mean loss.  ``--fail-at-step N --fail-rank R`` SIGKILLs that rank once.
+global batch's mean loss.  ``--fail-at-step N --fail-rank R`` SIGKILLs that rank once;
+``--slow-while FILE`` makes each step take at least 1 s while FILE exists (a test holds the
+epoch open until something it waits for has happened, however loaded the machine).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def main() -> None:
     p.add_argument("--sample-log", default=None)
     p.add_argument("--fail-at-step", type=int, default=-1)
     p.add_argument("--fail-rank", type=int, default=0)
+    p.add_argument("--slow-while", default=None, help="1 s per step while this file exists")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -98,7 +101,9 @@ def main() -> None:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
             window, window_loss = [], 0.0
-            if args.step_time:
+            if args.slow_while and os.path.exists(args.slow_while):
+                time.sleep(max(1.0, args.step_time))
+            elif args.step_time:
                 time.sleep(args.step_time)
             if step % args.save_every == 0:
                 ckpt.save_checkpoint(

@@ -10,13 +10,15 @@ into a :class:`FaultOutcome` per fault.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import itertools
+import json
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -135,11 +137,16 @@ def run_matrix(
     settle_s: float = 30.0,
     answer_s: float = 240.0,
     job_timeout_s: float = 300.0,
+    refused_by: Collection[StorageFault] = (),
+    refused_within_s: float = 30.0,
 ) -> MatrixRun:
     """One 2-node job (one rank per node) checkpointing into ``fs``'s mount; each of
     ``kinds`` in turn: injected, held ``hold_s(kind)`` seconds, cleared, waited on until every
     job node's mount takes a small write again (up to ``answer_s``), then until the step
-    trained at that moment is committed on the export (up to ``settle_s``)."""
+    trained at that moment is committed on the export (up to ``settle_s``).  A fault in
+    ``refused_by`` is held on past ``hold_s`` until the saver reported a persist it refused
+    (``checkpoint_persist_failed``; at most ``refused_within_s`` more): a persist that began
+    before the fault can take longer than the hold on two loaded cores."""
     ckpt_export = fs.export / "ckpt"
     ckpt_export.mkdir(exist_ok=True)
     until = work / "stop-training"
@@ -182,6 +189,8 @@ def run_matrix(
             _inject(fs, kind)
             try:
                 time.sleep(hold_s(kind))
+                if kind in refused_by:
+                    _wait_refused(work / ".dlrover-hpc" / job, since=begin, s=refused_within_s)
             finally:
                 _heal(fs, kind)
             end = time.time()
@@ -219,6 +228,27 @@ def run_matrix(
         export_step=newest_committed(ckpt_export),
         outcomes=analyze(windows, timing, evs),
     )
+
+
+def _wait_refused(job_dir: Path, *, since: float, s: float) -> None:
+    """Until the job logged a ``checkpoint_persist_failed`` after ``since``, at most ``s``."""
+
+    def refused() -> bool:
+        try:
+            lines = (job_dir / "events.jsonl").read_text().splitlines()
+        except OSError:
+            return False
+        for line in reversed(lines):
+            with contextlib.suppress(ValueError):  # a line being written
+                e = json.loads(line)
+                if e.get("time", 0) < since:
+                    return False
+                if e.get("event") == "checkpoint_persist_failed":
+                    return True
+        return False
+
+    with contextlib.suppress(TimeoutError):
+        wait_for(refused, timeout_s=s, what="a refused persist", interval_s=0.2)
 
 
 def _answered(fs: FileServer, nodes: Sequence[str], timeout_s: float) -> float:

@@ -26,6 +26,7 @@ def _committed(job_dir: Path) -> list[int]:
     )
 
 
+@pytest.mark.timeout(600)  # a hang guard: it takes 165 s beside the suite
 def test_dlrover_examples_run_with_only_their_imports_changed(
     local_slurm: LocalSlurm, shared_tmp: Path
 ) -> None:

@@ -60,6 +60,7 @@ def test_the_global_batch_and_the_samples_survive_4_3_4_nodes(
         timeout=300,
     )
     log_dir = work / "log"
+    slow = work / "slow"  # the epoch held open (1 s steps) from node4's crash to its return
     job = sbatch(
         work,
         4,
@@ -69,26 +70,38 @@ def test_the_global_batch_and_the_samples_survive_4_3_4_nodes(
         f"--ckpt-dir={work / 'ckpt'}",
         f"--sample-log={log_dir}",
         "--step-time=0.15",
+        f"--slow-while={slow}",
     )
+
+    def on_3(steps: int) -> bool:  # the newest round is on 3 nodes and trained ``steps``
+        records = jsonl_records(log_dir)
+        starts = {r["round"]: r for r in records if "start" in r}
+        last = starts[max(starts)] if starts else {}
+        return last.get("world") == 3 and any(
+            r["round"] == last["round"] and r["step"] >= last["start"] + steps
+            for r in records
+            if "samples" in r
+        )
+
     try:
         wait_for(
             lambda: any(r.get("step", 0) >= 40 for r in jsonl_records(log_dir)),
             timeout_s=180,
             what="step 40",
         )
+        slow.touch()
         local_slurm.kill_node("node4")
+        wait_for(lambda: on_3(5), timeout_s=120, what="5 steps on 3 nodes")
+        local_slurm.restart_node("node4")  # repaired: a replacement job takes it again
         wait_for(
-            lambda: any(
-                r.get("step", 0) >= s + 20
-                for r in jsonl_records(log_dir)
-                for s in [x["start"] for x in jsonl_records(log_dir) if x.get("world") == 3][:1]
-            ),
-            timeout_s=120,
-            what="20 steps on 3 nodes",
+            lambda: _worlds(jsonl_records(log_dir))[-2:] == [3, 4],
+            timeout_s=240,
+            what="back on 4 nodes",
         )
-        local_slurm.restart_node("node4")  # repaired: the master starts an agent there again
+        slow.unlink()
         fields = wait_job(job, timeout_s=300)
     finally:
+        slow.unlink(missing_ok=True)
         subprocess.run(["scancel", job], check=False, timeout=30)
         local_slurm.restart_node("node4")
     out = (work / f"slurm-{job}.out").read_text()

@@ -146,6 +146,7 @@ def test_a_deadlocked_rank_is_found_within_the_bound_learned_from_the_steps(
 LONG_PHASES = TRAIN.parent / "train_long_phases.py"
 
 
+@pytest.mark.timeout(600)  # a hang guard: it takes 230 s beside the suite
 def test_long_phases_that_are_not_hangs_raise_no_alarm(tmp_path: Path) -> None:
     """Each phase lasts 35 s, past the 30 s bound the job learns from its 0.05 s steps."""
     job_dir = tmp_path / "job"

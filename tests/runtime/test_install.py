@@ -104,6 +104,7 @@ def _fresh_env(home: Path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.timeout(700)  # a hang guard: it takes 165 s beside the suite
 def test_readme_install_and_first_run_from_the_wheel(tmp_path: Path) -> None:
     """The two blocks run as written, one after the other in one shell (the install block
     makes and activates the venv the first run uses), in a directory holding only the wheel."""
