@@ -61,6 +61,25 @@ _REQUEUE_SIGNAL = signal.SIGUSR1
 #: (sympy: 0.25 s of the 0.85 s that DistributedDataParallel's first use of torch._dynamo costs
 #: a worker here).  Never torch._dynamo itself (see :data:`UNSAFE_PRELOADS`).
 WARM_MODULES = ("sympy",)
+#: ... and, with the torch they were measured on, parts of torch that ``import torch._dynamo``
+#: pulls in (roots of its import graph outside ``torch._dynamo.*``): about 0.4 s of that
+#: import's 0.8-1.1 s here, saved at every worker start.  Not every such root is safe: with
+#: torch.distributed.fsdp, _shard, _local_tensor, _symmetric_memory and _composable
+#: preloaded the DDP tutorial hung at exit in 3 runs of 6 (the agent ended the hung ranks);
+#: with these, 0 in 10 (and 0 in 6 for each part alone).  None imports torch._dynamo or
+#: starts a thread (tests/agent/test_zygote.py).  A name a torch build lacks is skipped.
+DYNAMO_DEPS: dict[str, tuple[str, ...]] = {
+    "2.13": (
+        "torch.distributed.tensor",
+        "torch.distributed._functional_collectives",
+        "torch._functorch._aot_autograd.collect_metadata_analysis",
+        "torch.onnx",
+        "torch._numpy",
+        "torch._higher_order_ops.triton_kernel_wrap",
+        "torch._decomp.decompositions_for_rng",
+        "torch.nn.utils._expanded_weights",
+    ),
+}
 #: Modules the pre-warmed interpreter must not import on its own: torch._dynamo imported before
 #: a script builds its DDP model (before the fork, or at the script's top) makes DDP-on-gloo
 #: ranks deadlock at exit in 3 runs of 5 (torch 2.13, under torchrun as well): each backward
@@ -163,6 +182,13 @@ def _exec(parent_pid: int, command: list[str]) -> None:
 
 
 # ---------------------------------------------------------------- the zygote (server)
+def warm_modules() -> tuple[str, ...]:
+    """What the zygote imports besides torch and the user's preloads (torch imported)."""
+    torch = sys.modules.get("torch")
+    version = str(getattr(torch, "__version__", "")).split("+")[0]
+    return (*WARM_MODULES, *DYNAMO_DEPS.get(".".join(version.split(".")[:2]), ()))
+
+
 def serve(
     socket_path: str,
     *,
@@ -174,8 +200,17 @@ def serve(
     signal.signal(_REQUEUE_SIGNAL, signal.SIG_IGN)
     for name in preload:
         __import__(name)
+    for name in warm_modules():  # quietly: a worker imports what this torch build lacks
+        with contextlib.suppress(Exception):
+            __import__(name)
+    for module in (m for m in UNSAFE_PRELOADS if m in sys.modules):  # torch changed its imports
+        print(
+            f"dlrover-run: zygote: the warm-up imported {module}: under DDP on gloo a rank may "
+            "hang at exit (--no-prewarm avoids it)",
+            file=sys.stderr,
+        )
     extra = tuple(n.strip() for n in os.environ.get(PRELOAD_ENV, "").split(",") if n.strip())
-    for name in (*WARM_MODULES, *extra):  # once here, not once per worker; a worker can do without
+    for name in extra:  # once here, not once per worker; a worker can do without
         if name in UNSAFE_PRELOADS:
             print(f"dlrover-run: zygote: {name} is not preloaded ({PRELOAD_ENV})", file=sys.stderr)
             continue

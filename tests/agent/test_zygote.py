@@ -280,3 +280,35 @@ def test_torch_dynamo_is_never_preloaded_and_a_preload_that_imports_it_is_said(
     assert "torch._dynamo is not preloaded (DLROVER_HPC_PRELOAD)" in err, err
     assert "preloading pulls_dynamo (DLROVER_HPC_PRELOAD) imports torch._dynamo" in err, err
     assert "WARM" not in err and "sympy" not in err, err  # the default warm-up is quiet
+
+
+WARM_PROBE = """
+import json, sys, threading, time
+import torch, torch.distributed
+from dlrover_hpc.agent.zygote import warm_modules
+names = warm_modules()
+for name in names:
+    __import__(name)
+warm = {"names": list(names), "dynamo": "torch._dynamo" in sys.modules,
+        "threads": threading.active_count(), "version": torch.__version__}
+started = time.process_time()
+import torch._dynamo
+warm["dynamo_cpu_s"] = time.process_time() - started
+print(json.dumps(warm))
+"""
+
+
+def test_the_warm_up_takes_part_of_the_compiler_stack_but_not_torch_dynamo_nor_a_thread() -> None:
+    """The zygote's warm-up (sympy and, on the torch it was measured on, parts of what
+    ``import torch._dynamo`` pulls in) imports every name it lists, never torch._dynamo (the
+    exit deadlock) and starts no thread (a fork keeps only the forking thread).  Whether a
+    part brings the deadlock back is for the DDP tutorial's runs (test_unchanged_clients)."""
+    out = subprocess.run(
+        [sys.executable, "-c", WARM_PROBE], capture_output=True, text=True, timeout=120, check=True
+    )
+    warm = json.loads(out.stdout.splitlines()[-1])
+    assert warm["dynamo"] is False and warm["threads"] == 1, warm
+    assert warm["names"][0] == "sympy", warm
+    if warm["version"].startswith("2.13."):  # the torch of this checkout: the list is live
+        assert "torch.distributed.tensor" in warm["names"], warm
+    print(json.dumps({"torch_dynamo_cpu_s_after_warm_up": round(warm["dynamo_cpu_s"], 3)}))
