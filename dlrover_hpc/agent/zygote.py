@@ -66,8 +66,9 @@ WARM_MODULES = ("sympy",)
 #: import's 0.8-1.1 s here, saved at every worker start.  Not every such root is safe: with
 #: torch.distributed.fsdp, _shard, _local_tensor, _symmetric_memory and _composable
 #: preloaded the DDP tutorial hung at exit in 3 runs of 6 (the agent ended the hung ranks);
-#: with these, 0 in 10 (and 0 in 6 for each part alone).  None imports torch._dynamo or
-#: starts a thread (tests/agent/test_zygote.py).  A name a torch build lacks is skipped.
+#: with these, 0 in 28 (and 0 in 6 for each of three parts of them alone).  None imports
+#: torch._dynamo or starts a thread (tests/agent/test_zygote.py).  A name a torch build
+#: lacks is skipped.
 DYNAMO_DEPS: dict[str, tuple[str, ...]] = {
     "2.13": (
         "torch.distributed.tensor",

@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import enum
 import itertools
-import json
 import subprocess
 import threading
 import time
@@ -22,7 +21,7 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from runtime_helpers import TRAIN, events, named, sbatch, timing_log, wait_job
+from runtime_helpers import TRAIN, events, jsonl_records, named, sbatch, timing_log, wait_job
 
 from dlrover_hpc.localslurm import wait_for
 from harness.fileserver import FileServer, FileServerError
@@ -233,19 +232,9 @@ def run_matrix(
 def _wait_refused(job_dir: Path, *, since: float, s: float) -> None:
     """Until the job logged a ``checkpoint_persist_failed`` after ``since``, at most ``s``."""
 
-    def refused() -> bool:
-        try:
-            lines = (job_dir / "events.jsonl").read_text().splitlines()
-        except OSError:
-            return False
-        for line in reversed(lines):
-            with contextlib.suppress(ValueError):  # a line being written
-                e = json.loads(line)
-                if e.get("time", 0) < since:
-                    return False
-                if e.get("event") == "checkpoint_persist_failed":
-                    return True
-        return False
+    def refused() -> bool:  # jsonl_records skips the line being written
+        failed = named(jsonl_records(job_dir, "events.jsonl"), "checkpoint_persist_failed")
+        return any(e.get("time", 0) >= since for e in failed)
 
     with contextlib.suppress(TimeoutError):
         wait_for(refused, timeout_s=s, what="a refused persist", interval_s=0.2)

@@ -92,7 +92,7 @@ def test_the_global_batch_and_the_samples_survive_4_3_4_nodes(
         slow.touch()
         local_slurm.kill_node("node4")
         wait_for(lambda: on_3(5), timeout_s=120, what="5 steps on 3 nodes")
-        local_slurm.restart_node("node4")  # repaired: a replacement job takes it again
+        local_slurm.restart_node("node4")  # repaired: the job takes it back
         wait_for(
             lambda: _worlds(jsonl_records(log_dir))[-2:] == [3, 4],
             timeout_s=240,
