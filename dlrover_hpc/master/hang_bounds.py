@@ -34,8 +34,11 @@ WARMUP_BOUND_S, WARMUP_MIN_S = 600.0, 120.0
 #: ``auto``: a rank whose process has been stopped by a signal (SIGSTOP, SIGTSTP) for this long,
 #: throughout, is a hang at once, whatever the other ranks do: it cannot progress until someone
 #: continues it, and its peers will wait for it in their next collective.  (A job that Slurm
-#: suspends stops its agents too, so they report no such thing.)
-STOPPED_BOUND_S = 5.0
+#: suspends stops its agents too, so they report no such thing.)  Throughout means its main
+#: thread did not run between the samples: a throttle that stops and continues it in turn
+#: (a slow node) starts the count again at each turn, so 2 s leaves no room for doubt and
+#: costs the job 3 s less per such hang than 5 s did.
+STOPPED_BOUND_S = 2.0
 #: ``auto``: each section's own bound, unless the script gave one; other names get ``eval``'s.
 #: A rank in a section also progresses while it (or a data-loader worker) uses CPU.
 SECTION_BOUNDS_S = {"checkpoint": 600.0, "eval": 600.0, "data": 300.0, "warmup": WARMUP_BOUND_S}

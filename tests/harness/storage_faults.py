@@ -87,11 +87,23 @@ class FaultOutcome:
     durable_after_s: float | None  # mounts answer again -> the step trained then committed
     answered_after_s: float  # fault cleared -> every job node's mount answers again
     stalled_events: int  # persist_stalled events during the fault and its recovery
+    #: mounts answer again -> the last persist stall the savers reported ended, before the
+    #: step was durable (None: none ended after the mounts answered).  sshfs can strand a
+    #: request in flight when its link died: new requests go through, the saver's persist
+    #: thread waits on that one until it is answered or abandoned.
+    stall_ended_after_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["kind"] = str(self.kind)
-        for key in ("held_s", "longest_gap_s", "rate_ratio", "durable_after_s", "answered_after_s"):
+        for key in (
+            "held_s",
+            "longest_gap_s",
+            "rate_ratio",
+            "durable_after_s",
+            "answered_after_s",
+            "stall_ended_after_s",
+        ):
             if out[key] is not None:
                 out[key] = round(out[key], 2)
         return out
@@ -296,6 +308,18 @@ def _wait_durable(ckpt: Path, step: int, timeout_s: float) -> float | None:
     return None
 
 
+def _stall_ended_after(stalled: Sequence[dict[str, Any]], w: Window) -> float | None:
+    """Seconds from the mounts answering to the end of the last persist stall reported
+    between then and the step's durability (None: no stall ended then)."""
+    until = w.durable_at if w.durable_at is not None else float("inf")
+    ended = [
+        e["time"]
+        for e in stalled
+        if e.get("ongoing") is False and w.answered_at < e["time"] <= until
+    ]
+    return max(ended) - w.answered_at if ended else None
+
+
 def analyze(
     windows: Sequence[Window], timing: Sequence[tuple[float, int]], evs: Sequence[dict[str, Any]]
 ) -> list[FaultOutcome]:
@@ -337,6 +361,7 @@ def analyze(
                 durable_after_s=None if w.durable_at is None else w.durable_at - w.answered_at,
                 answered_after_s=w.answered_at - w.end,
                 stalled_events=len(stalled),
+                stall_ended_after_s=_stall_ended_after(stalled, w),
             )
         )
     return out
