@@ -88,7 +88,15 @@ DYNAMO_DEPS: dict[str, tuple[str, ...]] = {
 #: work's last reference can then be dropped by gloo's thread while the main thread, holding
 #: the GIL, joins that thread in ``~ProcessGroupGloo``.  A preload that pulls it in
 #: (``lightning`` in :data:`environ.PRELOAD`) is said at start: preload only what the script imports
-#: first anyway.
+#: first anyway.  The torch.distributed part of that import (115 modules: fsdp and what it
+#: pulls in) is enough to bring it on: the tutorial under plain torchrun, 30 s limit,
+#: hung in 2 of 2 runs with those modules imported first and 1 of 1 with torch.distributed.fsdp
+#: alone; in 1 of 2 with fsdp's dependencies together (nn, _shard, _composable,
+#: tensor.parallel, checkpoint_wrapper ...) and in none of 1 with any one of them; in none of 2
+#: with torch._dynamo imported right after init_process_group returns (the import is then the
+#: one DDP would do, moved earlier).  So no subset of it is known to be safe to preload.  What
+#: it costs each fresh worker here: DDP's construction 0.40-0.60 s with the list above
+#: preloaded; its bytecode unmarshalled beforehand (no module run) would save only 0.06-0.1 s.
 UNSAFE_PRELOADS = ("torch._dynamo",)
 #: more modules the pre-warmed interpreter imports, comma-separated (a framework: every
 #: worker forked from it skips that import, 3-4 s of CPU for transformers or Lightning); only
