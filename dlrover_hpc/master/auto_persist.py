@@ -12,8 +12,13 @@ nothing is asked.
 measured in this job (the slowest node's ``persist_s`` of a step, the median of the newest few
 steps) and its MTBF (:func:`persist_interval.job_mtbf`: the failures that cost a restart, per
 node-second trained, else ``--node-mtbf``).  Until a persist was measured, the first is asked
-as soon as every rank holds a step in memory.  ``persist_interval`` says the interval when it
-is chosen and when it moves by more than a tenth.
+as soon as every rank holds a step in memory; once it committed, its persist time is waited
+for (a node reports it after the commit) rather than a second step asked.  ``persist_interval``
+says the interval when it is chosen and when it moves by more than a tenth.
+
+A request is given up (and a later step asked) only once every rank saved the step to memory
+and it still did not commit: a loaded machine's ranks may reach the step later than projected,
+and a request given up before they reached it still commits, just before the next one.
 """
 
 from __future__ import annotations
@@ -40,9 +45,12 @@ log = logging.getLogger(__name__)
 
 #: The persist time is the median of the slowest node's over this many newest steps.
 PERSIST_SAMPLES = 5
-#: A request whose step has not committed after this long (plus its lead and persists) is
-#: given up, and the next one asks a later step.
+#: A request whose step has not committed this long (plus four persists) after every rank
+#: saved it to memory is given up, and the next one asks a later step.
 REQUEST_TIMEOUT_S = 3.0
+#: ... and one whose step the ranks have not reached this long after the ask (they stopped
+#: reporting saves, or the rate was far off) is given up too.
+REQUEST_BACKSTOP_S = 60.0
 #: The step asked is this far ahead of where the ranks are now (their newest reports, projected
 #: at the step rate), so the request reaches every node first; it is asked this long before the
 #: interval ends, so that it commits when the interval has passed.  A projection that falls
@@ -98,6 +106,8 @@ class AutoPersist:
         self._committed = job.last_committed
         self._durable_at: float | None = None  # when storage's newest step was committed
         self._asked: tuple[int, float, int] | None = None  # (step, when, round) in flight
+        self._reached_at: float | None = None  # when every rank had saved the asked step
+        self._measure_since: float | None = None  # auto: a commit seen, its persist_s not yet
         self.asked = 0  # requests sent (tests, status)
 
     @property
@@ -134,6 +144,8 @@ class AutoPersist:
         self._ticked_at = now
         if self.job.last_committed > self._committed:
             self._committed, self._durable_at = self.job.last_committed, now
+            if self.persist_s() is None:
+                self._measure_since = now  # its node's persist time comes after the commit
         elif self._durable_at is None and running:
             self._durable_at = now  # training began: storage's newest step is from before
         if self._asked is not None and self._committed >= self._asked[0]:
@@ -141,13 +153,11 @@ class AutoPersist:
         self._choose()
         if not running or self._durable_at is None:
             return
-        if self._asked is not None:
-            step, when, round_ = self._asked
-            if round_ == self.job.round and now - when < self._timeout_s():
-                return
-            log.info("persist at step=%d gave up: not committed; asking a later step", step)
-            self._asked = None
+        if self._asked is not None and not self._give_up(now):
+            return
         if self.interval is None:  # auto, no persist measured yet: measure one now
+            if self._measure_since is not None and now - self._measure_since < REQUEST_TIMEOUT_S:
+                return  # one committed: its time is on its way, not a reason for another
             self._ask(now, "first persist: measuring its time")
         elif now - self._durable_at >= self.interval.interval_s - self._lead_s():
             # the ranks reach the asked step about this long after the ask: it commits
@@ -160,9 +170,28 @@ class AutoPersist:
             return ASK_AHEAD_S
         return min(ASK_AHEAD_S, ASK_AHEAD_SHARE * self.interval.interval_s)
 
-    def _timeout_s(self) -> float:
-        measured = self.persist_s() or 0.0
-        return REQUEST_TIMEOUT_S + ASK_AHEAD_S + 4 * measured
+    def _give_up(self, now: float) -> bool:
+        """Whether the request in flight is given up (and forgotten): the round moved on, or
+        every rank saved its step to memory a while ago and it has not committed."""
+        assert self._asked is not None
+        step, when, round_ = self._asked
+        if round_ != self.job.round:
+            why = "a new round"
+        else:
+            if self._reached_at is None:
+                saved = self.job.saved_steps() if self.job.saved_steps is not None else None
+                if saved is not None and saved[0] >= step:
+                    self._reached_at = now
+            timeout_s = REQUEST_TIMEOUT_S + 4 * (self.persist_s() or 0.0)
+            if self._reached_at is not None and now - self._reached_at >= timeout_s:
+                why = f"every rank saved it {now - self._reached_at:.1f} s ago"
+            elif now - when >= REQUEST_BACKSTOP_S:
+                why = f"the ranks did not save it in {now - when:.0f} s"
+            else:
+                return False
+        log.info("persist at step=%d gave up: not committed (%s); asking a later step", step, why)
+        self._asked = None
+        return True
 
     def _choose(self) -> None:
         """The interval from what is known now; said when chosen or moved by over a tenth."""
@@ -214,6 +243,6 @@ class AutoPersist:
             return
         for rec in targets:
             self._push(rec.agent_id, notice)
-        self._asked = (step, now, self.job.round)
+        self._asked, self._reached_at = (step, now, self.job.round), None
         self.asked += 1
         log.info("persist at step=%d nodes=%d: %s", step, len(targets), why)

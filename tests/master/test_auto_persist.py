@@ -8,7 +8,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dlrover_hpc.master.auto_persist import ASK_AHEAD_S, ASK_AHEAD_SHARE, AutoPersist
+from dlrover_hpc.master.auto_persist import (
+    ASK_AHEAD_S,
+    ASK_AHEAD_SHARE,
+    REQUEST_BACKSTOP_S,
+    REQUEST_TIMEOUT_S,
+    AutoPersist,
+)
 from dlrover_hpc.master.hangs import HangWatch
 from dlrover_hpc.master.persist_interval import daly_interval
 from dlrover_hpc.protocol import messages as m
@@ -173,5 +179,94 @@ def test_auto_measures_a_persist_then_chooses_young_daly_and_follows_failures(
         assert observed["mtbf_source"] == "observed", observed
         assert observed["mtbf_s"] == 20.0, observed
         assert observed["interval_s"] == round(daly_interval(2.0, 20.0), 3) == 6.944, observed
+
+    run(body)
+
+
+def test_a_first_persist_committed_before_its_time_is_reported_asks_no_second_step(
+    tmp_path: Path,
+) -> None:
+    """A node sends the commit before its ``checkpoint_persisted`` event: between the two, the
+    interval is still unknown, and asking another "first persist" then committed two steps a
+    fraction of a second apart (CI: a 0.35 s gap, then 2.2-3.1 s at a 3.1 s interval)."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2", persist_every_s=PERSIST_AUTO, node_mtbf_s=400.0)
+        agents = h.start("n1", "n2")
+        hangs = HangWatch(h.job, lambda a, msg: None, tmp_path)
+        watch = AutoPersist(h.job, h.agents.steps, _pushed(h), h.job.config)
+        _train(h, hangs, agents, range(1, 30))
+        watch.check()
+        [(_, first), _] = _asked(h)
+        _beat(h, hangs, agents, first)
+        _commit(h, first)
+        watch.check()  # committed, its time not here yet
+        h.clock.now += REQUEST_TIMEOUT_S - 0.1
+        watch.check()
+        assert len(_asked(h)) == 2 and not h.events("persist_interval")
+        for node in ("n1", "n2"):
+            watch.persisted({"step": first, "persist_s": 0.05, "node": node})
+        watch.check()
+        [said] = h.events("persist_interval")
+        assert len(_asked(h)) == 2  # the next one at the interval, not now
+        h.clock.now += said["interval_s"] - ASK_AHEAD_SHARE * said["interval_s"] + 0.1
+        watch.check()
+        assert len(_asked(h)) == 4
+
+    run(body)
+
+
+def test_a_first_persist_whose_time_never_comes_is_asked_again(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2", persist_every_s=PERSIST_AUTO, node_mtbf_s=400.0)
+        agents = h.start("n1", "n2")
+        hangs = HangWatch(h.job, lambda a, msg: None, tmp_path)
+        watch = AutoPersist(h.job, h.agents.steps, _pushed(h), h.job.config)
+        _train(h, hangs, agents, range(1, 30))
+        watch.check()
+        [(_, first), _] = _asked(h)
+        _commit(h, first)
+        watch.check()
+        h.clock.now += REQUEST_TIMEOUT_S + 0.1  # its node died before it said the time
+        watch.check()
+        assert len(_asked(h)) == 4 and not h.events("persist_interval")
+
+    run(body)
+
+
+def test_a_request_is_given_up_only_after_every_rank_saved_its_step(tmp_path: Path) -> None:
+    """A loaded machine's ranks reach the step later than projected: a request given up
+    before they reach it still commits, just before the later step asked in its place."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:2", persist_every_s=10.0)
+        agents = h.start("n1", "n2")
+        hangs = HangWatch(h.job, lambda a, msg: None, tmp_path)
+        watch = AutoPersist(h.job, h.agents.steps, _pushed(h), h.job.config)
+        _train(h, hangs, agents, range(1, 30))
+        watch.check()
+        h.clock.now += 10.0
+        watch.check()
+        [step] = {s for _, s in _asked(h)}
+        h.clock.now += 20.0  # the ranks are slow: still short of the step
+        _beat(h, hangs, agents, step - 1)
+        watch.check()
+        assert len(_asked(h)) == 2
+        _beat(h, hangs, agents, step)  # every rank saved it: the persist has its time now
+        watch.check()
+        h.clock.now += REQUEST_TIMEOUT_S - 0.1
+        watch.check()
+        assert len(_asked(h)) == 2
+        h.clock.now += 0.2  # saved, not committed (a rank saved past it before it was asked)
+        watch.check()
+        asked = _asked(h)
+        assert len(asked) == 4 and asked[-1][1] > step, asked
+        # ranks that never reach the step (they stopped saving) are asked again in the end
+        h.clock.now += REQUEST_BACKSTOP_S - 0.1
+        watch.check()
+        assert len(_asked(h)) == 4
+        h.clock.now += 0.2
+        watch.check()
+        assert len(_asked(h)) == 6
 
     run(body)
