@@ -375,7 +375,8 @@ class Job:
             running = [rank_input(n) for n in self.participants()]
             new = [rank_input(n) for n in waiting]
             ready = segment_gain(running, new, self._topology, self.params.segment)
-        actions = d.scale_up(self.participants(), ready, self.params)
+        # no pass over every node's record twice a second while nobody waits
+        actions = d.scale_up(self.participants(), ready, self.params) if ready else []
         if not actions:
             self._scale_up_wait = None
             return None

@@ -31,6 +31,10 @@ class StepLog:
         self.every_s = every_s
         self.round = -1
         self._ranks: dict[int, tuple[int, float]] = {}  # rank -> (step, at)
+        # node -> its ranks, and its slowest rank's (step, at): the slowest rank of the round
+        # is the slowest of 4,096 nodes', not of 32,768 ranks'
+        self._node_ranks: dict[str, set[int]] = {}
+        self._node_min: dict[str, tuple[int, float]] = {}
         self.node_steps: dict[str, int] = {}  # node -> its slowest rank's step (status)
         self._written: tuple[int, float] | None = None  # the round's newest event: (step, at)
         self.samples: list[tuple[float, int]] = []  # (at, step) written, newest last (metrics)
@@ -54,20 +58,25 @@ class StepLog:
             if round < self.round:
                 return  # a late report of a round that is over
             self.round, self._ranks, self._written = round, {}, None
+            self._node_ranks, self._node_min = {}, {}
             self.node_steps, self._first, self._latest = {}, None, None
             self._looked_at = 0.0
         known = [p for p in progress if p.at > 0]
+        ranks = self._ranks
         for p in known:
-            self._ranks[p.rank] = (p.step, p.at)
+            ranks[p.rank] = (p.step, p.at)
         if known:
             self.node_steps[node] = min(p.step for p in known)
+            mine = self._node_ranks.setdefault(node, set())
+            mine.update(p.rank for p in known)
+            self._node_min[node] = min(ranks[r] for r in mine)
         if len(self._ranks) < world_size:
             return  # the round's step is its slowest rank's: wait until every rank reported
         reported = max((p.at for p in known), default=0.0)
         if not final and self._first is not None and reported - self._looked_at < EVAL_EVERY_S:
             return
         self._looked_at = max(self._looked_at, reported)
-        step, at = min(self._ranks.values())
+        step, at = min(self._node_min.values())
         self._first = self._first or (step, at)
         self._latest = (step, at)
         written = self._written

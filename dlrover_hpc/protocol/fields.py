@@ -87,6 +87,11 @@ def _is_int(value: Any) -> bool:
     return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
 
 
+#: field types whose values JSON gives back as exactly that type (a bool is not an int here:
+#: a row with a bool field never took the one-comparison path, 8 rows every heartbeat)
+_EXACT = (int, float, str, bool)
+
+
 def _compile(hint: Any) -> Callable[[Any], bool]:
     origin = typing.get_origin(hint)
     if hint is Any:
@@ -99,7 +104,7 @@ def _compile(hint: Any) -> Callable[[Any], bool]:
         names = frozenset(row)
         # A field of a plain type whose value is exactly that type (or an int for a float)
         # passes without its check's call: 8 rows of 13 fields in every heartbeat.
-        exact = {k: h for k, h in hints(hint).items() if h in (int, float, str)}
+        exact = {k: h for k, h in hints(hint).items() if h in _EXACT}
         # An array row (positional): its values in field order, each checked as above.
         by_position = [(exact.get(k), row[k]) for k in (f.name for f in dataclasses.fields(hint))]
         # The common case in one comparison: every value exactly its field's type.
@@ -200,10 +205,14 @@ def _converts(hint: Any) -> bool:
     return False
 
 
-#: A field's check (:func:`matches`) and its conversion (:func:`typed`; None: the value as
-#: it is), by name, per message class: one lookup per field read, not a hint's hash and its
-#: introspection (every heartbeat's four fields, every join's twenty).
-Reader = dict[str, tuple[Callable[[Any], bool], Callable[[Any], Any] | None]]
+class Mismatch(Exception):
+    """A field's value does not fit its type (raised by a :data:`Reader`'s functions)."""
+
+
+#: A field's read, by name, per message class: its value checked (:func:`matches`) and
+#: converted (:func:`typed`), or :class:`Mismatch`; one lookup per field read, not a hint's
+#: hash and its introspection (every heartbeat's four fields, every join's twenty).
+Reader = dict[str, Callable[[Any], Any]]
 _READERS: dict[type, Reader] = {}
 
 
@@ -211,10 +220,55 @@ def reader(cls: type) -> Reader:
     """How each field of ``cls`` is read (cached)."""
     found = _READERS.get(cls)
     if found is None:
-        found = _READERS[cls] = {
-            name: (_checker(hint), _conversion(hint)) for name, hint in hints(cls).items()
-        }
+        found = _READERS[cls] = {name: _read(hint) for name, hint in hints(cls).items()}
     return found
+
+
+def _read(hint: Any) -> Callable[[Any], Any]:
+    check, convert = _checker(hint), _conversion(hint)
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        if item in _POSITIONAL and _plain_row(item):
+            return _read_rows(item, _checker(item))
+    if convert is None:
+
+        def read(value: Any) -> Any:
+            if check(value):
+                return value
+            raise Mismatch
+
+        return read
+
+    def read_converted(value: Any) -> Any:
+        if check(value):
+            return convert(value)
+        raise Mismatch
+
+    return read_converted
+
+
+def _read_rows(item: type, check_row: Callable[[Any], bool]) -> Callable[[Any], Any]:
+    """A list of :func:`positional` rows of plain fields, checked and built in one pass: a
+    heartbeat's 8 ranks, 4,096 rows a second at 4,096 nodes."""
+    row_hints = hints(item)
+    in_order = tuple(
+        row_hints[f.name] if row_hints[f.name] in _EXACT else None for f in dataclasses.fields(item)
+    )
+
+    def read_rows(value: Any) -> Any:
+        if type(value) is not list:
+            raise Mismatch
+        out = []
+        for v in value:
+            if type(v) is list and tuple(map(type, v)) == in_order:
+                out.append(item(*v))  # the common case: every value exactly its field's type
+            elif check_row(v):
+                out.append(item(*v) if type(v) is list else v if isinstance(v, item) else item(**v))
+            else:
+                raise Mismatch
+        return out
+
+    return read_rows
 
 
 def _conversion(hint: Any) -> Callable[[Any], Any] | None:

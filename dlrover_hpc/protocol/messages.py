@@ -8,9 +8,9 @@ from typing import Any, ClassVar, TypeVar
 
 from dlrover_hpc.errors import ProtocolError
 from dlrover_hpc.events import EventName
+from dlrover_hpc.protocol.fields import Mismatch, positional
 from dlrover_hpc.protocol.fields import fields as _fields
 from dlrover_hpc.protocol.fields import hints as _hints
-from dlrover_hpc.protocol.fields import positional
 from dlrover_hpc.protocol.fields import reader as _reader
 from dlrover_hpc.protocol.wire import Frame
 
@@ -498,17 +498,20 @@ def from_frame(frame: Frame) -> Message:
     if not fields.keys() >= body.keys():
         unknown = set(body) - set(fields)
         raise ProtocolError(f"{frame.type}: unknown fields {sorted(unknown)}")
-    for name, value in body.items():
-        if not fields[name][0](value):
-            hint = _hints(cls)[name]
-            raise ProtocolError(f"{frame.type}.{name}: {value!r} does not match {hint}")
     try:
-        return cls(
-            **{
-                name: value if (convert := fields[name][1]) is None else convert(value)
-                for name, value in body.items()
-            }
-        )
+        values = {name: fields[name](value) for name, value in body.items()}
+    except Mismatch:
+        for name, value in body.items():
+            try:
+                fields[name](value)
+            except Mismatch:
+                hint = _hints(cls)[name]
+                raise ProtocolError(
+                    f"{frame.type}.{name}: {value!r} does not match {hint}"
+                ) from None
+        raise  # a read that failed once and not again: not a thing a field read does
+    try:
+        return cls(**values)
     except TypeError as exc:
         raise ProtocolError(f"{frame.type}: {exc}") from None
 

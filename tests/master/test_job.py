@@ -13,7 +13,7 @@ import pytest
 
 from dlrover_hpc.config import MasterConfig, NodeRange
 from dlrover_hpc.localslurm import wait_for
-from dlrover_hpc.master.handlers import AgentHandlers
+from dlrover_hpc.master.handlers import EVERY_TICK_NODES, SILENCE_PASSES, AgentHandlers
 from dlrover_hpc.master.job import Job
 from dlrover_hpc.master.journal import EventLog, Journal
 from dlrover_hpc.master.nodes import NodeState
@@ -743,5 +743,48 @@ def test_a_stop_while_a_round_forms_ends_the_job_without_an_error(tmp_path: Path
         assert h.job.ended and h.job.exit_code == 0 and h.job.phase is Phase.FAILED
         [finished] = h.events("job_finished")
         assert "no round was running" in finished["reason"], finished
+
+    run(body)
+
+
+def test_a_large_job_looks_for_silent_agents_less_often_but_for_closed_links_at_once(
+    tmp_path: Path,
+) -> None:
+    """Past EVERY_TICK_NODES, the pass over every node for silent agents runs every 16th of
+    the silence timeout, not every tick; a closed connection is still lost at the first tick
+    past its grace."""
+
+    async def body() -> None:
+        n = EVERY_TICK_NODES + 44
+        h = Harness(tmp_path, nnodes=f"{n}:{n}", heartbeat_timeout_s=160.0)
+        agents = h.start(*(f"n{i}" for i in range(n)))
+        silence_s = h.job.config.heartbeat_silence_s
+        pass_s = silence_s / SILENCE_PASSES
+        assert pass_s >= 10.0
+
+        def beat(skip: set[str]) -> None:
+            for a in agents:
+                if a not in skip:
+                    h.agents.heartbeat(m.Heartbeat(agent_id=a, round=1))
+
+        def lost() -> list[str]:
+            return [e["node"] for e in h.events("node_lost")]
+
+        h.agents.check_liveness()  # a pass over every node
+        closed, silent = agents[0], agents[1]
+        seen = h.job.nodes[silent].last_seen
+        h.agents.disconnected(closed)
+        h.clock.now += 3.1  # past the reconnect grace, long before the next pass
+        beat({closed, silent})
+        h.agents.check_liveness()
+        assert lost() == ["n0"]
+        # the silent agent: lost past the timeout, by the next pass at the latest
+        while not lost()[1:]:
+            h.clock.now += 0.5
+            beat({closed, silent})
+            h.agents.check_liveness()
+            assert h.clock.now - seen <= silence_s + pass_s + 0.5, lost()
+        assert lost() == ["n0", "n1"]
+        assert h.clock.now - seen > silence_s
 
     run(body)
