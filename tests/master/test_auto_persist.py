@@ -7,6 +7,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from dlrover_hpc.master.auto_persist import (
     ASK_AHEAD_S,
@@ -57,6 +58,16 @@ def _pushed(h: Harness) -> Callable[[str, m.Message], None]:
     return lambda agent, msg: h.pushed.append((agent, msg))
 
 
+def _trained(tmp_path: Path, **config: Any) -> tuple[Harness, HangWatch, AutoPersist, list[str]]:
+    """Two nodes of 2 ranks trained 29 steps (every rank saved each), the watch on them."""
+    h = Harness(tmp_path, nnodes="2:2", **config)
+    agents = h.start("n1", "n2")
+    hangs = HangWatch(h.job, lambda a, msg: None, tmp_path)
+    watch = AutoPersist(h.job, h.agents.steps, _pushed(h), h.job.config)
+    _train(h, hangs, agents, range(1, 30))
+    return h, hangs, watch, agents
+
+
 def _asked(h: Harness) -> list[tuple[str, int]]:
     return [(a, msg.step) for a, msg in h.pushed if isinstance(msg, m.PersistStep)]
 
@@ -69,11 +80,7 @@ def _commit(h: Harness, step: int) -> None:
 
 def test_a_fixed_interval_asks_every_node_for_one_step_ahead(tmp_path: Path) -> None:
     async def body() -> None:
-        h = Harness(tmp_path, nnodes="2:2", persist_every_s=10.0)
-        agents = h.start("n1", "n2")
-        hangs = HangWatch(h.job, lambda a, msg: None, tmp_path)
-        watch = AutoPersist(h.job, h.agents.steps, _pushed(h), h.job.config)
-        _train(h, hangs, agents, range(1, 30))
+        h, _hangs, watch, agents = _trained(tmp_path, persist_every_s=10.0)
         watch.check()  # storage's newest step is as old as the training: 0 s
         [said] = h.events("persist_interval")
         assert said["interval_s"] == 10.0 and said["mode"] == "fixed"
@@ -112,11 +119,7 @@ def test_a_short_interval_asks_a_quarter_of_it_ahead(tmp_path: Path) -> None:
     """A 3.2 s interval is not asked 2.5 s ahead: a rate off by 2x would commit at 2 s gaps."""
 
     async def body() -> None:
-        h = Harness(tmp_path, nnodes="2:2", persist_every_s=3.2)
-        agents = h.start("n1", "n2")
-        hangs = HangWatch(h.job, lambda a, msg: None, tmp_path)
-        watch = AutoPersist(h.job, h.agents.steps, _pushed(h), h.job.config)
-        _train(h, hangs, agents, range(1, 30))
+        h, _hangs, watch, _agents = _trained(tmp_path, persist_every_s=3.2)
         watch.check()
         lead_s = ASK_AHEAD_SHARE * 3.2
         assert lead_s < ASK_AHEAD_S
@@ -134,11 +137,7 @@ def test_a_short_interval_asks_a_quarter_of_it_ahead(tmp_path: Path) -> None:
 
 def test_a_script_whose_disk_saves_are_fresh_enough_is_never_asked(tmp_path: Path) -> None:
     async def body() -> None:
-        h = Harness(tmp_path, nnodes="2:2", persist_every_s=10.0)
-        agents = h.start("n1", "n2")
-        hangs = HangWatch(h.job, lambda a, msg: None, tmp_path)
-        watch = AutoPersist(h.job, h.agents.steps, _pushed(h), h.job.config)
-        _train(h, hangs, agents, range(1, 30))
+        h, _hangs, watch, _agents = _trained(tmp_path, persist_every_s=10.0)
         for step in range(10, 100, 10):  # the script's own DISK saves, every 5 s
             watch.check()
             h.clock.now += 5.0
@@ -153,11 +152,9 @@ def test_auto_measures_a_persist_then_chooses_young_daly_and_follows_failures(
     tmp_path: Path,
 ) -> None:
     async def body() -> None:
-        h = Harness(tmp_path, nnodes="2:2", persist_every_s=PERSIST_AUTO, node_mtbf_s=400.0)
-        agents = h.start("n1", "n2")
-        hangs = HangWatch(h.job, lambda a, msg: None, tmp_path)
-        watch = AutoPersist(h.job, h.agents.steps, _pushed(h), h.job.config)
-        _train(h, hangs, agents, range(1, 30))
+        h, _hangs, watch, _agents = _trained(
+            tmp_path, persist_every_s=PERSIST_AUTO, node_mtbf_s=400.0
+        )
         watch.check()
         [(_, first), _] = _asked(h)  # no persist measured yet: one at once, to measure it
         assert not h.events("persist_interval")
@@ -191,11 +188,9 @@ def test_a_first_persist_committed_before_its_time_is_reported_asks_no_second_st
     fraction of a second apart (CI: a 0.35 s gap, then 2.2-3.1 s at a 3.1 s interval)."""
 
     async def body() -> None:
-        h = Harness(tmp_path, nnodes="2:2", persist_every_s=PERSIST_AUTO, node_mtbf_s=400.0)
-        agents = h.start("n1", "n2")
-        hangs = HangWatch(h.job, lambda a, msg: None, tmp_path)
-        watch = AutoPersist(h.job, h.agents.steps, _pushed(h), h.job.config)
-        _train(h, hangs, agents, range(1, 30))
+        h, hangs, watch, agents = _trained(
+            tmp_path, persist_every_s=PERSIST_AUTO, node_mtbf_s=400.0
+        )
         watch.check()
         [(_, first), _] = _asked(h)
         _beat(h, hangs, agents, first)
@@ -218,11 +213,9 @@ def test_a_first_persist_committed_before_its_time_is_reported_asks_no_second_st
 
 def test_a_first_persist_whose_time_never_comes_is_asked_again(tmp_path: Path) -> None:
     async def body() -> None:
-        h = Harness(tmp_path, nnodes="2:2", persist_every_s=PERSIST_AUTO, node_mtbf_s=400.0)
-        agents = h.start("n1", "n2")
-        hangs = HangWatch(h.job, lambda a, msg: None, tmp_path)
-        watch = AutoPersist(h.job, h.agents.steps, _pushed(h), h.job.config)
-        _train(h, hangs, agents, range(1, 30))
+        h, _hangs, watch, _agents = _trained(
+            tmp_path, persist_every_s=PERSIST_AUTO, node_mtbf_s=400.0
+        )
         watch.check()
         [(_, first), _] = _asked(h)
         _commit(h, first)
@@ -239,11 +232,7 @@ def test_a_request_is_given_up_only_after_every_rank_saved_its_step(tmp_path: Pa
     before they reach it still commits, just before the later step asked in its place."""
 
     async def body() -> None:
-        h = Harness(tmp_path, nnodes="2:2", persist_every_s=10.0)
-        agents = h.start("n1", "n2")
-        hangs = HangWatch(h.job, lambda a, msg: None, tmp_path)
-        watch = AutoPersist(h.job, h.agents.steps, _pushed(h), h.job.config)
-        _train(h, hangs, agents, range(1, 30))
+        h, hangs, watch, agents = _trained(tmp_path, persist_every_s=10.0)
         watch.check()
         h.clock.now += 10.0
         watch.check()
