@@ -83,11 +83,12 @@ def _assert_nothing_lost(run: MatrixRun) -> None:
             assert o.stalled_events >= 1, o
             continue
         assert o.durable_after_s is not None, o
-        # A persist request that storage answers only after the mounts answer (stranded, or
-        # a write sshfs held back): the bound counts from then, when storage answers the
-        # saver's persist thread again (a LINK_CUT once took 20.2 s from the mounts answering,
-        # 8 stall events; a FULL fault 20.5 s, its stall ending at 20.1 s: CI's loaded 2
-        # cores).  Without a stall reported past the mounts' answer, from the answer.
+        # A persist request that storage answers only after the mounts answer (a stranded
+        # one, or any write that stalls past the fault): the bound counts from then, when
+        # storage answers the saver's persist thread again (a LINK_CUT once took 20.2 s from
+        # the mounts answering, 8 stall events; a FULL fault 20.5 s, its stall ending at
+        # 20.1 s: CI's loaded 2 cores).  With no stall reported past the mounts' answer, from
+        # the answer.
         assert o.durable_after_s - (o.stall_ended_after_s or 0.0) <= DURABLE_S, o
     # The job's last step is durable, and its verdict says so.
     assert run.export_step == run.last_step, (run.export_step, run.last_step)
