@@ -498,18 +498,13 @@ def from_frame(frame: Frame) -> Message:
     if not fields.keys() >= body.keys():
         unknown = set(body) - set(fields)
         raise ProtocolError(f"{frame.type}: unknown fields {sorted(unknown)}")
-    try:
-        values = {name: fields[name](value) for name, value in body.items()}
-    except Mismatch:
-        for name, value in body.items():
-            try:
-                fields[name](value)
-            except Mismatch:
-                hint = _hints(cls)[name]
-                raise ProtocolError(
-                    f"{frame.type}.{name}: {value!r} does not match {hint}"
-                ) from None
-        raise  # a read that failed once and not again: not a thing a field read does
+    values = {}
+    for name, value in body.items():
+        try:
+            values[name] = fields[name](value)
+        except Mismatch:
+            hint = _hints(cls)[name]
+            raise ProtocolError(f"{frame.type}.{name}: {value!r} does not match {hint}") from None
     try:
         return cls(**values)
     except TypeError as exc:
