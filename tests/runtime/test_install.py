@@ -207,6 +207,20 @@ def test_the_written_sbatch_template_runs_a_two_node_job(
     assert (shared_tmp / "checkpoints" / "checkpoint.pt").exists(), out[-4000:]
 
 
+def _gloo_exit_abort(out: subprocess.CompletedProcess[str]) -> bool:
+    """torch 2.13's own teardown bug, not the template's: with every step done and the last
+    line printed, a rank's ``destroy_process_group`` (or its interpreter's exit after it) ends
+    in ``std::terminate`` (a joinable thread destroyed).  Reproduced here with plain torchrun
+    and the template, 2 runs in 36 beside two busy loops, one of them with a barrier before
+    the teardown (CI: the second run of this test)."""
+    return (
+        out.returncode != 0
+        and "done: 5 steps" in out.stdout
+        and "terminate called without an active exception" in out.stderr
+        and "(SIGABRT)" in out.stderr
+    )
+
+
 def test_the_train_template_runs_under_torchrun_and_resumes(tmp_path: Path) -> None:
     """``dlrover-hpc template train`` is torchrun's too; with --ckpt-dir a second run resumes."""
     (tmp_path / "train.py").write_text(
@@ -217,21 +231,27 @@ def test_the_train_template_runs_under_torchrun_and_resumes(tmp_path: Path) -> N
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node=2", "train.py"]
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*torchrun, "--steps=5", *args],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        for _ in range(3):
+            out = subprocess.run(
+                [*torchrun, "--steps=5", *args],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            if not _gloo_exit_abort(out):
+                return out
+            print("torch's gloo teardown aborted a rank after its last step; run again")
+        return out
 
     first = run()
     assert first.returncode == 0, first.stderr[-3000:]
     assert "done: 5 steps, world size 2" in first.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.py"]  # saves nothing
     ckpt = tmp_path / "ckpt"
-    assert run(f"--ckpt-dir={ckpt}").returncode == 0
+    saved = run(f"--ckpt-dir={ckpt}")
+    assert saved.returncode == 0, saved.stderr[-3000:]
     assert (ckpt / "checkpoint.pt").exists()
     again = run(f"--ckpt-dir={ckpt}")
     assert again.returncode == 0, again.stderr[-3000:]
