@@ -1,0 +1,104 @@
+"""Where the suite's CPU goes, per test (``make test-cpu``): a pytest plugin.
+
+On 2 cores the suite is bound by CPU, not by its tests' wall time, so what makes it shorter is
+less CPU.  Each test worker moves itself into a cpuacct cgroup of its own before it starts
+anything; what it starts inherits the cgroup, its local Slurm's daemons and their jobs too (the
+local Slurm tracks processes with ``proctrack/linuxproc``, which moves none).  The CPU a test
+costs is the cgroup's usage from its start to its end: its workers, agents, masters and
+daemons, wherever they run.  Daemons that outlive a test charge their idle ticks to the test
+that runs then (a few seconds in a run).
+
+Each worker appends a JSON line per test to ``<dir>/<worker>.jsonl`` (``DLROVER_HPC_TEST_CPU``,
+the directory); the controller prints the files that cost most at the end.  Root only (cgroup
+v1's cpuacct, as the machine mounts it).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+ENV = "DLROVER_HPC_TEST_CPU"
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+GROUP = "dlrover-hpc-tests"
+
+
+class _Worker:
+    def __init__(self, out_dir: Path, name: str) -> None:
+        self.group = CPUACCT / GROUP / name
+        self.group.mkdir(parents=True, exist_ok=True)
+        (self.group / "cgroup.procs").write_text(str(os.getpid()))
+        self.out: IO[str] = (out_dir / f"{name}.jsonl").open("a")
+
+    def usage_s(self) -> float:
+        return int((self.group / "cpuacct.usage").read_text()) / 1e9
+
+
+_worker: _Worker | None = None
+
+
+def _out_dir(config: pytest.Config) -> Path:
+    out = Path(os.environ[ENV])
+    if not (CPUACCT / "cpuacct.usage").exists() or os.geteuid() != 0:
+        raise pytest.UsageError(
+            f"{ENV}={out}: per-test CPU needs root and cgroup v1's cpuacct at {CPUACCT}; "
+            f"unset {ENV} to run the tests without it"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _controller(config: pytest.Config) -> bool:
+    """This process hands tests to xdist workers and runs none itself."""
+    return not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _worker
+    out = _out_dir(config)
+    if not hasattr(config, "workerinput"):  # the run's own process: a fresh record
+        for old in out.glob("*.jsonl"):
+            old.unlink()
+    if not _controller(config):
+        _worker = _Worker(out, os.environ.get("PYTEST_XDIST_WORKER", "main"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if _worker is None:
+        yield
+        return
+    t0, c0 = time.monotonic(), _worker.usage_s()
+    yield
+    row = {"test": item.nodeid, "wall_s": time.monotonic() - t0, "cpu_s": _worker.usage_s() - c0}
+    _worker.out.write(json.dumps(row) + "\n")
+    _worker.out.flush()
+
+
+def summary(out_dir: Path, top: int = 25) -> list[str]:
+    """Lines of the files that cost the most CPU, with their share of the whole run."""
+    rows = [json.loads(line) for f in out_dir.glob("*.jsonl") for line in f.open()]
+    total = sum(r["cpu_s"] for r in rows) or 1.0
+    by_file: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0])
+    for r in rows:
+        acc = by_file[r["test"].split("::")[0]]
+        acc[0] += r["cpu_s"]
+        acc[1] += r["wall_s"]
+        acc[2] += 1
+    lines = [f"CPU of {len(rows)} tests: {total:.0f} s (per file: CPU s, share, wall s, tests)"]
+    for name, (cpu, wall, n) in sorted(by_file.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"{cpu:8.1f} {100 * cpu / total:5.1f} % {wall:8.1f} {int(n):5d}  {name}")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not hasattr(terminalreporter.config, "workerinput"):
+        for line in summary(Path(os.environ[ENV])):
+            terminalreporter.write_line(line)
