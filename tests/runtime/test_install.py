@@ -208,11 +208,12 @@ def test_the_written_sbatch_template_runs_a_two_node_job(
 
 
 def _gloo_exit_abort(out: subprocess.CompletedProcess[str]) -> bool:
-    """torch 2.13's own teardown bug, not the template's: with every step done and the last
-    line printed, a rank's ``destroy_process_group`` (or its interpreter's exit after it) ends
-    in ``std::terminate`` (a joinable thread destroyed).  Reproduced here with plain torchrun
-    and the template, 2 runs in 36 beside two busy loops, one of them with a barrier before
-    the teardown (CI: the second run of this test)."""
+    """torch 2.13's own teardown bug, not the template's: with every step done, the last line
+    printed and ``destroy_process_group`` returned on every rank, a rank's interpreter exit
+    ends in ``std::terminate`` (a joinable thread destroyed).  Reproduced with plain torchrun
+    and the template beside two or three busy loops: 4 runs in 96 (1 in 22 as it is, 1 in 14
+    with a barrier before the teardown, 2 in 60 with a line printed after it, which showed
+    where it happens).  CI: the second run of this test."""
     return (
         out.returncode != 0
         and "done: 5 steps" in out.stdout
