@@ -10,7 +10,7 @@ NODES  ?= 4
 WORKERS ?= 4
 PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup --durations=10
 
-.PHONY: venv demo test test-cpu test-fast lint docs down clean
+.PHONY: venv demo test test-fast lint docs down clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,11 +52,6 @@ test: venv
 	wait $$lint; lint=$$?; cat $(VENV)/lint.log; \
 	if [ $$lint -ne 0 ]; then echo "make test: lint failed (above)"; fi; \
 	[ $$tests -eq 0 ] && [ $$lint -eq 0 ]
-
-# Where the suite's CPU goes: each test's CPU (its workers, agents, masters and local Slurm),
-# from a cgroup per test worker (tests/harness/cpu_profile.py; root). Kept in $(VENV)/test-cpu.
-test-cpu: venv
-	DLROVER_HPC_TEST_CPU=$(VENV)/test-cpu PYTHONPATH=tests $(PYTEST) -p harness.cpu_profile tests
 
 # The unit tests only (no local Slurm, no whole jobs): the edit loop.
 test-fast: venv

@@ -13,7 +13,10 @@ The baseline in the same run is the machine's own count (``/proc/stat``): how ma
 seconds the sampling saw, and how busy the cores were.
 
 Prints one JSON line: wall time, core-seconds (machine and sampled), the cores' busy share, the
-costliest test files, kinds of process, and kinds of process per test file.
+costliest test files, kinds of process, and kinds of process per test file.  As root, also each
+test file's exact CPU (``exact_by_file``: CPU s, wall s, tests) from a cpuacct cgroup per test
+worker (``tests/harness/cpu_profile.py``), which short-lived processes, never seen by a sample,
+and processes started over SSH do not escape.
 
     python benchmarks/suite_cpu.py                       # the whole suite, 4 workers
     python benchmarks/suite_cpu.py -- -n 2 tests/runtime/test_slurm_jobs.py
@@ -25,13 +28,19 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from harness import cpu_profile  # noqa: E402
+
 HZ = os.sysconf("SC_CLK_TCK")
 KINDS = (
     ("zygote serve", "pre-warmed interpreters and their workers"),
@@ -124,12 +133,21 @@ def main() -> None:
     parser.add_argument("pytest_args", nargs="*", help="after --: pytest's arguments")
     args = parser.parse_args()
     pytest_args = args.pytest_args or ["-n", "4", "--dist", "loadgroup", "tests"]
+    exact = Path(tempfile.mkdtemp(prefix="suite-cpu-")) if cpu_profile.available() else None
+    env, plugin = dict(os.environ), []
+    if exact is not None:
+        env[cpu_profile.ENV] = str(exact)
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(REPO / "tests"), env.get("PYTHONPATH")])
+        )
+        plugin = ["-p", "harness.cpu_profile"]
     sampler = Sampler()
     machine0, wall0 = _machine_ticks(), time.monotonic()
     sampler.start()
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, *pytest_args],
         cwd=REPO,
+        env=env,
         stdout=subprocess.DEVNULL,
         check=False,
     )
@@ -137,6 +155,16 @@ def main() -> None:
     wall = time.monotonic() - wall0
     machine = (_machine_ticks() - machine0) / HZ
     sampled = sum(sampler.by_file.values()) / HZ
+    report: dict[str, object] = {}
+    if exact is not None:
+        tests, files = cpu_profile.by_file(exact)
+        report["exact_cpu_s"] = round(sum(cpu for cpu, _, _ in files.values()), 1)
+        report["exact_tests"] = tests
+        report["exact_by_file"] = {
+            name: [round(cpu, 1), round(wall, 1), n]
+            for name, (cpu, wall, n) in list(files.items())[: args.top]
+        }
+        shutil.rmtree(exact)
     print(
         json.dumps(
             {
@@ -153,6 +181,7 @@ def main() -> None:
                 "by_file_and_kind_s": {
                     k: round(v / HZ, 1) for k, v in sampler.by_file_kind.most_common(args.top)
                 },
+                **report,
             }
         )
     )

@@ -1,4 +1,5 @@
-"""Where the suite's CPU goes, per test (``make test-cpu``): a pytest plugin.
+"""Where the suite's CPU goes, per test, exactly: a pytest plugin (``benchmarks/suite_cpu.py``
+loads it beside its sampling; ``-p harness.cpu_profile`` with ``tests`` on the path loads it alone).
 
 On 2 cores the suite is bound by CPU, not by its tests' wall time, so what makes it shorter is
 less CPU.  Each test worker moves itself into a cpuacct cgroup of its own before it starts
@@ -46,7 +47,7 @@ _worker: _Worker | None = None
 
 def _out_dir(config: pytest.Config) -> Path:
     out = Path(os.environ[ENV])
-    if not (CPUACCT / "cpuacct.usage").exists() or os.geteuid() != 0:
+    if not available():
         raise pytest.UsageError(
             f"{ENV}={out}: per-test CPU needs root and cgroup v1's cpuacct at {CPUACCT}; "
             f"unset {ENV} to run the tests without it"
@@ -82,20 +83,32 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     _worker.out.flush()
 
 
-def summary(out_dir: Path, top: int = 25) -> list[str]:
-    """Lines of the files that cost the most CPU, with their share of the whole run."""
+def by_file(out_dir: Path) -> tuple[int, dict[str, tuple[float, float, int]]]:
+    """How many tests ran, and per test file: CPU s, wall s and tests, costliest first."""
     rows = [json.loads(line) for f in out_dir.glob("*.jsonl") for line in f.open()]
-    total = sum(r["cpu_s"] for r in rows) or 1.0
-    by_file: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0])
+    files: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0])
     for r in rows:
-        acc = by_file[r["test"].split("::")[0]]
+        acc = files[r["test"].split("::")[0]]
         acc[0] += r["cpu_s"]
         acc[1] += r["wall_s"]
         acc[2] += 1
-    lines = [f"CPU of {len(rows)} tests: {total:.0f} s (per file: CPU s, share, wall s, tests)"]
-    for name, (cpu, wall, n) in sorted(by_file.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"{cpu:8.1f} {100 * cpu / total:5.1f} % {wall:8.1f} {int(n):5d}  {name}")
+    ranked = sorted(files.items(), key=lambda kv: -kv[1][0])
+    return len(rows), {name: (cpu, wall, int(n)) for name, (cpu, wall, n) in ranked}
+
+
+def summary(out_dir: Path, top: int = 25) -> list[str]:
+    """Lines of the files that cost the most CPU, with their share of the whole run."""
+    tests, files = by_file(out_dir)
+    total = sum(cpu for cpu, _, _ in files.values()) or 1.0
+    lines = [f"CPU of {tests} tests: {total:.0f} s (per file: CPU s, share, wall s, tests)"]
+    for name, (cpu, wall, n) in list(files.items())[:top]:
+        lines.append(f"{cpu:8.1f} {100 * cpu / total:5.1f} % {wall:8.1f} {n:5d}  {name}")
     return lines
+
+
+def available() -> bool:
+    """Whether this process can measure (root, cgroup v1's cpuacct)."""
+    return os.geteuid() == 0 and (CPUACCT / "cpuacct.usage").exists()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
