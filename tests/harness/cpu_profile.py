@@ -17,6 +17,7 @@ v1's cpuacct, as the machine mounts it).
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import time
@@ -69,6 +70,18 @@ def pytest_configure(config: pytest.Config) -> None:
             old.unlink()
     if not _controller(config):
         _worker = _Worker(out, os.environ.get("PYTEST_XDIST_WORKER", "main"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run's own process removes the cgroups once its workers are gone (a run without
+    workers first moves itself back to the root group)."""
+    if hasattr(config, "workerinput"):
+        return
+    if _worker is not None:
+        (CPUACCT / "cgroup.procs").write_text(str(os.getpid()))
+    for group in [*(CPUACCT / GROUP).glob("*/"), CPUACCT / GROUP]:
+        with contextlib.suppress(OSError):  # a process of a worker still in it: left
+            group.rmdir()
 
 
 @pytest.hookimpl(hookwrapper=True)
