@@ -46,7 +46,7 @@ class _Worker:
 _worker: _Worker | None = None
 
 
-def _out_dir(config: pytest.Config) -> Path:
+def _out_dir() -> Path:
     out = Path(os.environ[ENV])
     if not available():
         raise pytest.UsageError(
@@ -64,7 +64,7 @@ def _controller(config: pytest.Config) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     global _worker
-    out = _out_dir(config)
+    out = _out_dir()
     if not hasattr(config, "workerinput"):  # the run's own process: a fresh record
         for old in out.glob("*.jsonl"):
             old.unlink()
