@@ -346,6 +346,15 @@ class Capacity:
     below_min_since: float | None = None
     failures: int = 0  # replacement requests Slurm refused since capacity was last full
     retry_at: float = 0.0  # no request before this time (back-off after a refusal)
+    #: the most nodes alive at once before the first loss: MAX and the hot spares the job was
+    #: given (N+k), which replacements refill (0: not seen yet, the target is MAX)
+    pool: int = 0
+
+    def target(self, params: RdzvParams) -> int:
+        """The nodes replacements bring the job back to: MAX, and the hot spares it began
+        with.  Only MAX would leave the job without a spare once one was used, and each later
+        loss would cost two restarts: a shrink, then the returning node's scale-up."""
+        return max(params.max_nodes, self.pool)
 
     def lost(self, count: int = 1) -> Capacity:
         return dataclasses.replace(self, losses=self.losses + count)
@@ -376,10 +385,11 @@ def shrink_wins(nodes: int, slowdown: float, *, min_nodes: int) -> bool:
 RETRY_FIRST_S, RETRY_MAX_S = 5.0, 60.0
 
 
-def replacement_count(alive: int, failures: int, params: RdzvParams) -> int:
-    """Nodes to ask for: up to MAX, one fewer per refusal, never fewer than MIN needs."""
+def replacement_count(alive: int, failures: int, params: RdzvParams, *, target: int = 0) -> int:
+    """Nodes to ask for: up to ``target`` (MAX and the spares the job began with; at least
+    MAX), one fewer per refusal, never fewer than MIN needs."""
     need = max(0, params.min_nodes - alive)
-    return max(need, params.max_nodes - alive - failures)
+    return max(need, max(target, params.max_nodes) - alive - failures)
 
 
 def capacity(
@@ -398,6 +408,11 @@ def capacity(
 ) -> tuple[Capacity, list[Action]]:
     """After hot spares: ask for a replacement job; below MIN for too long: requeue.
 
+    Replacements bring the job back to MAX and the hot spares it began with (the most nodes
+    alive at once before its first loss, :attr:`Capacity.pool`): a spare that took a lost
+    node's place is itself replaced, so the next loss again costs one restart, not a shrink
+    and a scale-up.
+
     A replacement avoids only the nodes that are faulty (excluded: drained, quarantined, failed
     the network check) and those this job's agents hold now; the executor adds the job's own
     allocation.  Avoiding every node ever held is what makes Slurm answer "Requested node
@@ -412,10 +427,13 @@ def capacity(
         return cap, []
     actions: list[Action] = []
     alive = sum(1 for n in records if n.state in USABLE) + relaunching
-    if alive >= params.max_nodes and cap.failures:
+    if cap.losses == 0 and alive > cap.pool:
+        cap = dataclasses.replace(cap, pool=alive)
+    target = cap.target(params)
+    if alive >= target and cap.failures:
         cap = dataclasses.replace(cap, failures=0, retry_at=0.0)  # full again: start afresh
-    wanted = cap.losses > cap.replaced and alive < params.max_nodes
-    count = replacement_count(alive, cap.failures, params)
+    wanted = cap.losses > cap.replaced and alive < target
+    count = replacement_count(alive, cap.failures, params, target=target)
     # A loss is settled only by a request: while nothing is to be asked for (a relaunch in
     # flight counts as alive; after a refusal, one node fewer) it stays owed, so a relaunch
     # that fails, or a later loss, asks then.
@@ -444,7 +462,7 @@ def replacement_failed(
     are.  Returns the new state and the next action, for the ``replacement_failed`` event."""
     failures = cap.failures + 1
     backoff = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (failures - 1))
-    count = replacement_count(alive, failures, params)
+    count = replacement_count(alive, failures, params, target=cap.target(params))
     if count == 0:
         cap = dataclasses.replace(cap, failures=failures, replaced=cap.losses)
         return cap, f"no retry: go on with {alive} node(s), at least MIN {params.min_nodes}"

@@ -274,6 +274,28 @@ def test_capacity_requests_one_replacement_per_loss_avoiding_held_and_faulty_nod
     assert actions == [d.RequestReplacement(2, ("bad", "n0", "n1"))]
 
 
+def test_capacity_refills_the_hot_spares_the_job_began_with() -> None:
+    """MIN 2, MAX 4 on 5 nodes: the spare that took a lost node's place is replaced as well,
+    so the next loss costs one restart again (soak seed 1: a shrink to MIN, then a scale-up
+    when the returning node came, twice)."""
+    five = [A, A, A, A, W]
+    cap, actions = _capacity(d.Capacity(), five)
+    assert actions == [] and cap.pool == 5 and cap.target(PARAMS) == 5
+    # n1 lost: the spare trains in its place, and a replacement restores the spare.
+    cap, actions = _capacity(cap.lost(), [A, LOST, A, A, A])
+    assert actions == [d.RequestReplacement(1, ("bad", "n0", "n2", "n3", "n4"))]
+    assert cap.replaced == 1 and cap.pool == 5
+    # A node that comes back after the loss (a drain lifted) does not raise the target.
+    cap, actions = _capacity(cap, [A, W, A, A, A, W])
+    assert actions == [] and cap.pool == 5
+    # Refused: one fewer to ask for is none (4 alive, MAX 4): the job goes on without a spare.
+    cap, next_action = d.replacement_failed(cap, alive=4, params=PARAMS, now=100.0)
+    assert next_action == "no retry: go on with 4 node(s), at least MIN 2"
+    # A job that began without a spare asks only up to MAX, as before.
+    cap, actions = _capacity(d.Capacity(), [A, A, A, A])
+    assert cap.pool == 4 and _capacity(cap.lost(), [A, A, A, A, LOST])[1] == []
+
+
 def test_capacity_replaces_once_judging_ends_without_a_relaunch() -> None:
     cap, actions = _capacity(d.Capacity(losses=1), [A, A, A, LOST], judging=True)
     assert actions == [] and cap.replaced == 0  # the loss is still owed a replacement
