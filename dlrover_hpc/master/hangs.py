@@ -581,6 +581,18 @@ class HangWatch:
     def _plan_swap(self, node: str, ratio: float) -> None:
         self._swap, self._swap_ratio = node, ratio
         self._swap_after = max((s.progress.step for s in self._seen.values()), default=-1)
+        if not any(s.progress.saved_step >= 0 for s in self._seen.values()):
+            return  # no flash checkpoint: nothing to persist (it goes at the next commit)
+        # Every node persists its ranks' next save (PersistStep, as --persist-every does): the
+        # master hears of its commit at once and swaps the node then, rather than once each
+        # node's next heartbeat said it saved: up to a heartbeat interval (2 s; 8 s at 4,096
+        # nodes) more at the straggler's pace (soak seed 1: 3.0 and 3.1 s after the verdict).
+        notice = m.PersistStep(
+            step=self._swap_after + 1, reason=f"the straggler's node {node} goes at its commit"
+        )
+        for rec in self.job.participants():
+            if rec.state is NodeState.ACTIVE:
+                self._push(rec.agent_id, notice)
 
     def committed(self) -> None:
         """A checkpoint was committed: the time to swap a straggler's node for a spare."""

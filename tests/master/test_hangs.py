@@ -412,6 +412,49 @@ def test_a_straggler_is_swapped_once_every_rank_saved_a_newer_step_to_memory(
     run(body)
 
 
+def test_a_straggler_found_has_every_node_persist_its_next_save_and_goes_at_that_commit(
+    tmp_path: Path,
+) -> None:
+    """The nodes' next memory save is persisted (PersistStep, the step after the newest one
+    reported): its commit reaches the master at once, a heartbeat interval before the
+    heartbeats that say every rank saved it.  A script without flash checkpoints is asked
+    for nothing."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3")
+        agents = h.start("n1", "n2", "n3")
+        watch = _watch(h, tmp_path)
+        watch.straggler_factor = 2.0
+        step, deadline = 0, h.clock.now + 200
+        while not h.events("straggler_detected"):
+            assert h.clock.now < deadline, "no straggler_detected"
+            step += 1
+            _timed_beat(h, watch, agents, step, saved=step - step % 5)
+            watch.check()
+            h.clock.now += 1.0
+        asked = [(a, msg) for a, msg in h.pushed if isinstance(msg, m.PersistStep)]
+        assert [a for a, _ in asked] == agents, asked
+        assert {msg.step for _, msg in asked} == {step + 1}
+        assert "n3" in asked[0][1].reason
+        assert h.job.phase is Phase.RUNNING  # not before that save commits
+        watch.committed()
+        assert h.job.nodes[agents[2]].state is NodeState.BENCHED
+
+    run(body)
+
+
+def test_a_straggler_without_flash_checkpoints_asks_no_persist(tmp_path: Path) -> None:
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3")
+        agents = h.start("n1", "n2", "n3")
+        watch = _watch(h, tmp_path)
+        watch.straggler_factor = 2.0
+        _sustained_straggler(h, watch, agents)  # saved_step -1: no save to memory
+        assert not [msg for _, msg in h.pushed if isinstance(msg, m.PersistStep)]
+
+    run(body)
+
+
 def test_a_round_that_reopens_while_a_swap_waits_leaves_the_straggler_out(
     tmp_path: Path,
 ) -> None:
