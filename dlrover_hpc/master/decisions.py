@@ -385,11 +385,20 @@ def shrink_wins(nodes: int, slowdown: float, *, min_nodes: int) -> bool:
 RETRY_FIRST_S, RETRY_MAX_S = 5.0, 60.0
 
 
+#: Refusals after which the hot spares beyond MAX are no longer asked for (retried at the
+#: same count meanwhile: 5 + 10 + 20 + 40 s).  Slurm refuses while every free node is still
+#: the job's own (a node behind a cut link, until Slurm takes it back): soak seed 1's refill
+#: was refused 1 s after such a loss, and the drain 55 s later found no spare.
+SPARE_TRIES = 4
+
+
 def replacement_count(alive: int, failures: int, params: RdzvParams, *, target: int = 0) -> int:
-    """Nodes to ask for: up to ``target`` (MAX and the spares the job began with; at least
-    MAX), one fewer per refusal, never fewer than MIN needs."""
+    """Nodes to ask for: up to MAX, one fewer per refusal, never fewer than MIN needs; and
+    the hot spares the job began with (``target`` beyond MAX), the same count again after a
+    refusal, for :data:`SPARE_TRIES` refusals."""
     need = max(0, params.min_nodes - alive)
-    return max(need, max(target, params.max_nodes) - alive - failures)
+    spares = max(0, target - max(alive, params.max_nodes)) if failures < SPARE_TRIES else 0
+    return max(need, params.max_nodes - alive - failures, 0) + spares
 
 
 def capacity(
@@ -458,8 +467,9 @@ def replacement_failed(
     cap: Capacity, *, alive: int, params: RdzvParams, now: float
 ) -> tuple[Capacity, str]:
     """Slurm refused a replacement request: back off, then ask for one node fewer, down to
-    what MIN needs; at or above MIN with nothing left to ask for, go on with the nodes there
-    are.  Returns the new state and the next action, for the ``replacement_failed`` event."""
+    what MIN needs (the spares beyond MAX: as many again, :data:`SPARE_TRIES` times); at or
+    above MIN with nothing left to ask for, go on with the nodes there are.  Returns the new
+    state and the next action, for the ``replacement_failed`` event."""
     failures = cap.failures + 1
     backoff = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (failures - 1))
     count = replacement_count(alive, failures, params, target=cap.target(params))

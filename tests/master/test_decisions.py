@@ -288,9 +288,20 @@ def test_capacity_refills_the_hot_spares_the_job_began_with() -> None:
     # A node that comes back after the loss (a drain lifted) does not raise the target.
     cap, actions = _capacity(cap, [A, W, A, A, A, W])
     assert actions == [] and cap.pool == 5
-    # Refused: one fewer to ask for is none (4 alive, MAX 4): the job goes on without a spare.
-    cap, next_action = d.replacement_failed(cap, alive=4, params=PARAMS, now=100.0)
+    # Refused (every free node still the job's own): the spare is asked for again, at the
+    # same count, SPARE_TRIES times; then the job goes on without it.
+    for tries, wait in enumerate((5, 10, 20, 40), start=1):
+        cap, next_action = d.replacement_failed(cap, alive=4, params=PARAMS, now=100.0)
+        if tries < d.SPARE_TRIES:
+            assert next_action == f"retry in {wait} s for 1 node(s)"
+            cap, actions = _capacity(cap, [A, LOST, A, A, A], now=100.0 + wait)
+            assert actions == [d.RequestReplacement(1, ("bad", "n0", "n2", "n3", "n4"))]
     assert next_action == "no retry: go on with 4 node(s), at least MIN 2"
+    assert _capacity(cap, [A, LOST, A, A, A], now=1e6)[1] == []
+    # Short of MAX as well: the MAX part shrinks by one per refusal, the spare stays.
+    assert d.replacement_count(2, 0, PARAMS, target=5) == 3
+    assert d.replacement_count(2, 1, PARAMS, target=5) == 2
+    assert d.replacement_count(2, d.SPARE_TRIES, PARAMS, target=5) == 0
     # A job that began without a spare asks only up to MAX, as before.
     cap, actions = _capacity(d.Capacity(), [A, A, A, A])
     assert cap.pool == 4 and _capacity(cap.lost(), [A, A, A, A, LOST])[1] == []
