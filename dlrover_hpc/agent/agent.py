@@ -31,6 +31,7 @@ from dlrover_hpc.diagnosis import stacks as st
 from dlrover_hpc.diagnosis.classify import Diagnosis
 from dlrover_hpc.diagnosis.rules import FailureKind
 from dlrover_hpc.jobdir import local_user
+from dlrover_hpc.master.hang_bounds import STOPPED_BOUND_S
 from dlrover_hpc.master.thread import MasterThread
 from dlrover_hpc.protocol import messages as m
 from dlrover_hpc.protocol.client import MasterClient
@@ -39,6 +40,9 @@ from dlrover_hpc.worker import membership
 from dlrover_hpc.worker.progress import PATH_ENV, StopNotice
 
 log = logging.getLogger(__name__)
+
+#: How often the agent looks for a worker stopped by a signal (:meth:`Agent._stopped_watch`).
+STOPPED_CHECK_S = 0.25
 
 #: How long the first workers wait for the pre-warmed interpreter (its `import torch`) before
 #: they start as fresh interpreters instead.
@@ -122,6 +126,7 @@ class Agent:
         #: continues nothing then (stopping.conclude), so the local tier goes at the end
         self._trained_out = False
         self._round_changed = asyncio.Event()
+        self._beat_now = asyncio.Event()  # a heartbeat now, not at the interval's end
         self._master_gone = False  # the link gave up reconnecting
         # The workers left the last round in-process and wait for the next (issue 26).
         self._kept = False
@@ -240,6 +245,7 @@ class Agent:
         await self._open_link()
         assert self.link is not None
         beats = asyncio.create_task(self._heartbeats())
+        stops = asyncio.create_task(self._stopped_watch())
         pushes = asyncio.create_task(self._pushes())
         promote = asyncio.create_task(self._watch_master())
         self.saver = start_saver(
@@ -272,6 +278,7 @@ class Agent:
             )
             await asyncio.to_thread(replicas.close)
             beats.cancel()
+            stops.cancel()
             pushes.cancel()
             promote.cancel()
             await self.link.close()
@@ -663,11 +670,24 @@ class Agent:
             ),
         )
 
+    async def _stopped_watch(self) -> None:
+        """A worker stopped by a signal (SIGSTOP) for the master's bound, throughout, is said
+        in a heartbeat at once: the master's verdict then waits for no interval (2 s by
+        default; soak seeds 1-3 found such hangs 2.2-4.4 s after the stop)."""
+        while True:
+            await asyncio.sleep(STOPPED_CHECK_S)
+            running = self.workers.running and self._round_state is m.NodeState.ACTIVE
+            early = running and self._heartbeat_s > STOPPED_CHECK_S
+            if early and self.watchdog.stopped_past(STOPPED_BOUND_S):
+                self._beat_now.set()
+
     async def _heartbeats(self) -> None:
         assert self.link is not None
         rtt_s = 0.0
         while True:
-            await asyncio.sleep(self._heartbeat_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_now.wait(), self._heartbeat_s)
+            self._beat_now.clear()
             running = self.workers.running and self._round_state is m.NodeState.ACTIVE
             polled_round = self.round
             progress = await asyncio.to_thread(self.watchdog.poll) if running else []

@@ -210,6 +210,7 @@ class _Rank:
     child_cpu: tuple[float, float] = (0.0, 0.0)  # the same, of its children alone
     stopped_since: float = 0.0  # when it was first seen stopped, throughout since (0: not)
     stopped_switches: int = -1  # its main thread's context switches then
+    stopped_told: bool = False  # a heartbeat went early for this stop (stopped_past)
     work_cpu: tuple[float, float] = (0.0, 0.0)  # CPU seconds (it and its children), read when
     working: bool = False  # it computed over the last window (see WORKING_CPU)
     cuda: bool = False  # it maps libcuda: CPU use is no evidence of work
@@ -307,6 +308,19 @@ class Watchdog:
         """A worker stopped by a signal (SIGSTOP, a debugger): it cannot leave a round."""
         stopped = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
         return any(s in stopped for s in self._statuses())
+
+    def stopped_past(self, bound_s: float) -> bool:
+        """A worker has just been stopped by a signal for ``bound_s``, throughout (the
+        master's stopped-process bound): true once per such stop, so that its agent sends
+        a heartbeat now rather than at the next interval.  Cheap while nothing is stopped:
+        one status read per worker."""
+        now, due = time.monotonic(), False
+        for r in list(self._ranks.values()):
+            if not r.stopped_since and status_of(r.pid) != psutil.STATUS_STOPPED:
+                continue
+            if self._stopped_for(r, now) >= bound_s and not r.stopped_told:
+                r.stopped_told = due = True
+        return due
 
     def poll(self) -> list[m.RankProgress]:
         """Each worker's step and how long since it last progressed."""
@@ -413,10 +427,10 @@ class Watchdog:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             stopped, switches = False, -1
         if not stopped:
-            r.stopped_since, r.stopped_switches = 0.0, -1
+            r.stopped_since, r.stopped_switches, r.stopped_told = 0.0, -1, False
             return 0.0
         if not r.stopped_since or switches != r.stopped_switches:
-            r.stopped_since, r.stopped_switches = now, switches
+            r.stopped_since, r.stopped_switches, r.stopped_told = now, switches, False
         return now - r.stopped_since
 
     @staticmethod

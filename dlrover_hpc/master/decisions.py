@@ -349,6 +349,12 @@ class Capacity:
     #: the most nodes alive at once before the first loss: MAX and the hot spares the job was
     #: given (N+k), which replacements refill (0: not seen yet, the target is MAX)
     pool: int = 0
+    #: The spares' own requests, once the job is back at MAX (never before: a request for
+    #: more nodes than Slurm has free waits for all of them, the ones MAX needs too).
+    spares_asked: int = 0  # losses for which the spares were asked for (or given up)
+    spare_failures: int = 0  # their refusals since they were last asked for afresh
+    spare_retry_at: float = 0.0
+    asking_spares: bool = False  # the newest request was the spares' (its refusal is theirs)
 
     def target(self, params: RdzvParams) -> int:
         """The nodes replacements bring the job back to: MAX, and the hot spares it began
@@ -385,20 +391,17 @@ def shrink_wins(nodes: int, slowdown: float, *, min_nodes: int) -> bool:
 RETRY_FIRST_S, RETRY_MAX_S = 5.0, 60.0
 
 
-#: Refusals after which the hot spares beyond MAX are no longer asked for (retried at the
-#: same count meanwhile: 5 + 10 + 20 + 40 s).  Slurm refuses while every free node is still
-#: the job's own (a node behind a cut link, until Slurm takes it back): soak seed 1's refill
-#: was refused 1 s after such a loss, and the drain 55 s later found no spare.
+#: Requests for the hot spares beyond MAX before the job goes on without them (each refusal
+#: asks again at the same count: 5, 10, then 20 s later).  Slurm refuses while every free node is
+#: still the job's own (a node behind a cut link, until Slurm takes it back): soak seed 1's
+#: refill was refused 1 s after such a loss, and the drain 55 s later found no spare.
 SPARE_TRIES = 4
 
 
-def replacement_count(alive: int, failures: int, params: RdzvParams, *, target: int = 0) -> int:
-    """Nodes to ask for: up to MAX, one fewer per refusal, never fewer than MIN needs; and
-    the hot spares the job began with (``target`` beyond MAX), the same count again after a
-    refusal, for :data:`SPARE_TRIES` refusals."""
+def replacement_count(alive: int, failures: int, params: RdzvParams) -> int:
+    """Nodes to ask for: up to MAX, one fewer per refusal, never fewer than MIN needs."""
     need = max(0, params.min_nodes - alive)
-    spares = max(0, target - max(alive, params.max_nodes)) if failures < SPARE_TRIES else 0
-    return max(need, params.max_nodes - alive - failures, 0) + spares
+    return max(need, params.max_nodes - alive - failures)
 
 
 def capacity(
@@ -417,10 +420,10 @@ def capacity(
 ) -> tuple[Capacity, list[Action]]:
     """After hot spares: ask for a replacement job; below MIN for too long: requeue.
 
-    Replacements bring the job back to MAX and the hot spares it began with (the most nodes
-    alive at once before its first loss, :attr:`Capacity.pool`): a spare that took a lost
-    node's place is itself replaced, so the next loss again costs one restart, not a shrink
-    and a scale-up.
+    Replacements bring the job back to MAX; then, in a request of their own, to the hot spares
+    it began with (the most nodes alive at once before its first loss, :attr:`Capacity.pool`):
+    a spare that took a lost node's place is itself replaced, so the next loss again costs one
+    restart, not a shrink and a scale-up.
 
     A replacement avoids only the nodes that are faulty (excluded: drained, quarantined, failed
     the network check) and those this job's agents hold now; the executor adds the job's own
@@ -438,18 +441,30 @@ def capacity(
     alive = sum(1 for n in records if n.state in USABLE) + relaunching
     if cap.losses == 0 and alive > cap.pool:
         cap = dataclasses.replace(cap, pool=alive)
-    target = cap.target(params)
-    if alive >= target and cap.failures:
+    if alive >= params.max_nodes and cap.failures:
         cap = dataclasses.replace(cap, failures=0, retry_at=0.0)  # full again: start afresh
-    wanted = cap.losses > cap.replaced and alive < target
-    count = replacement_count(alive, cap.failures, params, target=target)
+    target = cap.target(params)
+    if alive >= target and cap.spare_failures:
+        cap = dataclasses.replace(cap, spare_failures=0, spare_retry_at=0.0)
+    wanted = cap.losses > cap.replaced and alive < params.max_nodes
+    count = replacement_count(alive, cap.failures, params)
+    held = {n.node for n in records if n.state in HOSTING}
+    avoid = tuple(sorted(held | set(excluded_nodes)))
+    asking = can_replace and not judging
     # A loss is settled only by a request: while nothing is to be asked for (a relaunch in
     # flight counts as alive; after a refusal, one node fewer) it stays owed, so a relaunch
     # that fails, or a later loss, asks then.
-    if wanted and count > 0 and can_replace and not judging and now >= cap.retry_at:
-        cap = dataclasses.replace(cap, replaced=cap.losses)
-        held = {n.node for n in records if n.state in HOSTING}
-        actions.append(RequestReplacement(count, tuple(sorted(held | set(excluded_nodes)))))
+    if wanted and count > 0 and asking and now >= cap.retry_at:
+        cap = dataclasses.replace(cap, replaced=cap.losses, asking_spares=False)
+        actions.append(RequestReplacement(count, avoid))
+    elif (
+        params.max_nodes <= alive < target
+        and cap.losses > cap.spares_asked
+        and asking
+        and now >= cap.spare_retry_at
+    ):
+        cap = dataclasses.replace(cap, spares_asked=cap.losses, asking_spares=True)
+        actions.append(RequestReplacement(target - alive, avoid))
     if alive >= params.min_nodes:
         return dataclasses.replace(cap, below_min_since=None), actions
     if cap.below_min_since is None:
@@ -467,12 +482,24 @@ def replacement_failed(
     cap: Capacity, *, alive: int, params: RdzvParams, now: float
 ) -> tuple[Capacity, str]:
     """Slurm refused a replacement request: back off, then ask for one node fewer, down to
-    what MIN needs (the spares beyond MAX: as many again, :data:`SPARE_TRIES` times); at or
-    above MIN with nothing left to ask for, go on with the nodes there are.  Returns the new
-    state and the next action, for the ``replacement_failed`` event."""
+    what MIN needs; at or above MIN with nothing left to ask for, go on with the nodes there
+    are.  A refused request for the spares beyond MAX is asked again at the same count,
+    :data:`SPARE_TRIES` times in all.  Returns the new state and the next action, for the
+    ``replacement_failed`` event."""
+    if cap.asking_spares:
+        failures = cap.spare_failures + 1
+        backoff = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (failures - 1))
+        if failures >= SPARE_TRIES:  # until a later loss asks afresh
+            cap = dataclasses.replace(cap, spare_failures=0, spares_asked=cap.losses)
+            return cap, f"no retry: go on with {alive} node(s), no hot spare"
+        cap = dataclasses.replace(
+            cap, spare_failures=failures, spare_retry_at=now + backoff, spares_asked=0
+        )
+        count = max(0, cap.target(params) - alive)
+        return cap, f"retry in {backoff:.0f} s for {count} hot spare(s)"
     failures = cap.failures + 1
     backoff = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (failures - 1))
-    count = replacement_count(alive, failures, params, target=cap.target(params))
+    count = replacement_count(alive, failures, params)
     if count == 0:
         cap = dataclasses.replace(cap, failures=failures, replaced=cap.losses)
         return cap, f"no retry: go on with {alive} node(s), at least MIN {params.min_nodes}"

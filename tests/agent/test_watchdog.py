@@ -123,6 +123,39 @@ def test_a_worker_stopped_throughout_is_told_from_one_stopped_and_continued_in_t
         dog.stop_round()
 
 
+def test_a_stop_past_the_bound_asks_for_one_early_heartbeat_per_stop(tmp_path: Path) -> None:
+    """The agent's quick look (every 0.25 s): true once a worker has been stopped for the
+    bound throughout, once per stop; never for one stopped and continued in turn."""
+    proc, path = _start(tmp_path, steps=3)
+    dog = wd.Watchdog(sample_s=60.0)
+    try:
+        dog.start_round({0: (0, proc.pid, path)})
+        wait_for(lambda: getattr(progress.read(path), "step", 0) == 3, timeout_s=20, what="3")
+        assert not dog.stopped_past(0.5)
+        for _ in range(8):  # throttled for 1.6 s: never 0.5 s throughout
+            os.kill(proc.pid, signal.SIGSTOP)
+            time.sleep(0.15)
+            assert not dog.stopped_past(0.5)
+            os.kill(proc.pid, signal.SIGCONT)
+            time.sleep(0.05)
+        for _ in range(2):  # each stop for good: said once
+            os.kill(proc.pid, signal.SIGSTOP)
+            seen = []
+            for _ in range(8):
+                seen.append(dog.stopped_past(0.5))
+                time.sleep(0.125)
+            assert seen.count(True) == 1 and seen.index(True) >= 3, seen
+            [p] = dog.poll()
+            assert p.stopped_s >= 0.5  # what that heartbeat says
+            os.kill(proc.pid, signal.SIGCONT)
+            time.sleep(0.1)
+            assert not dog.stopped_past(0.5)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        _stop(proc, path)
+        dog.stop_round()
+
+
 def test_without_py_spy_the_worker_answers_through_faulthandler(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -284,24 +284,31 @@ def test_capacity_refills_the_hot_spares_the_job_began_with() -> None:
     # n1 lost: the spare trains in its place, and a replacement restores the spare.
     cap, actions = _capacity(cap.lost(), [A, LOST, A, A, A])
     assert actions == [d.RequestReplacement(1, ("bad", "n0", "n2", "n3", "n4"))]
-    assert cap.replaced == 1 and cap.pool == 5
+    assert cap.spares_asked == 1 and cap.asking_spares and cap.pool == 5
+    assert _capacity(cap, [A, LOST, A, A, A])[1] == []  # asked once
     # A node that comes back after the loss (a drain lifted) does not raise the target.
-    cap, actions = _capacity(cap, [A, W, A, A, A, W])
-    assert actions == [] and cap.pool == 5
+    assert _capacity(cap, [A, W, A, A, A, W]) == (cap, [])
     # Refused (every free node still the job's own): the spare is asked for again, at the
-    # same count, SPARE_TRIES times; then the job goes on without it.
+    # same count, SPARE_TRIES times in all; then the job goes on without it.
     for tries, wait in enumerate((5, 10, 20, 40), start=1):
         cap, next_action = d.replacement_failed(cap, alive=4, params=PARAMS, now=100.0)
-        if tries < d.SPARE_TRIES:
-            assert next_action == f"retry in {wait} s for 1 node(s)"
-            cap, actions = _capacity(cap, [A, LOST, A, A, A], now=100.0 + wait)
-            assert actions == [d.RequestReplacement(1, ("bad", "n0", "n2", "n3", "n4"))]
-    assert next_action == "no retry: go on with 4 node(s), at least MIN 2"
+        if tries == d.SPARE_TRIES:
+            break
+        assert next_action == f"retry in {wait} s for 1 hot spare(s)"
+        assert _capacity(cap, [A, LOST, A, A, A], now=100.0 + wait - 0.1)[1] == []
+        cap, actions = _capacity(cap, [A, LOST, A, A, A], now=100.0 + wait)
+        assert actions == [d.RequestReplacement(1, ("bad", "n0", "n2", "n3", "n4"))]
+    assert next_action == "no retry: go on with 4 node(s), no hot spare"
     assert _capacity(cap, [A, LOST, A, A, A], now=1e6)[1] == []
-    # Short of MAX as well: the MAX part shrinks by one per refusal, the spare stays.
-    assert d.replacement_count(2, 0, PARAMS, target=5) == 3
-    assert d.replacement_count(2, 1, PARAMS, target=5) == 2
-    assert d.replacement_count(2, d.SPARE_TRIES, PARAMS, target=5) == 0
+    # The spares' refusals never shrink what MAX needs: a later loss asks for MAX's node
+    # alone first (a request for more than Slurm has free would wait for all of them) ...
+    cap, actions = _capacity(cap.lost(), [A, LOST, LOST, A, A], now=2e6)
+    assert actions == [d.RequestReplacement(1, ("bad", "n0", "n3", "n4"))]
+    assert not cap.asking_spares
+    # ... and the spare once MAX is back.
+    cap, actions = _capacity(cap, [A, LOST, LOST, A, A, A], now=2e6)
+    assert actions == [d.RequestReplacement(1, ("bad", "n0", "n3", "n4", "n5"))]
+    assert cap.asking_spares
     # A job that began without a spare asks only up to MAX, as before.
     cap, actions = _capacity(d.Capacity(), [A, A, A, A])
     assert cap.pool == 4 and _capacity(cap.lost(), [A, A, A, A, LOST])[1] == []
