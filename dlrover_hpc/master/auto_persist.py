@@ -35,7 +35,6 @@ from dlrover_hpc.events import EventName
 from dlrover_hpc.master import persist_interval as pi
 from dlrover_hpc.master.continuation import stop_step
 from dlrover_hpc.master.job import Job
-from dlrover_hpc.master.nodes import NodeState
 from dlrover_hpc.master.phases import Phase
 from dlrover_hpc.master.steps import StepLog
 from dlrover_hpc.protocol import messages as m
@@ -238,11 +237,11 @@ class AutoPersist:
         newest = max(self.steps.projected(time.time(), rate), saved[1], saved[0])
         step = stop_step(newest, rate, self._lead_s())
         notice = m.PersistStep(step=step, reason=why)
-        targets = [r for r in self.job.participants() if r.state is NodeState.ACTIVE]
+        targets = self.job.active_agents()
         if not targets:
             return
-        for rec in targets:
-            self._push(rec.agent_id, notice)
+        for agent in targets:
+            self._push(agent, notice)
         self._asked, self._reached_at = (step, now, self.job.round), None
         self.asked += 1
         log.info("persist at step=%d nodes=%d: %s", step, len(targets), why)

@@ -398,6 +398,11 @@ RETRY_FIRST_S, RETRY_MAX_S = 5.0, 60.0
 SPARE_TRIES = 4
 
 
+def retry_backoff(failures: int) -> float:
+    """Seconds to wait after the ``failures``-th refusal in a row (5, 10, 20, 40, 60, 60 ...)."""
+    return min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (failures - 1))
+
+
 def replacement_count(alive: int, failures: int, params: RdzvParams) -> int:
     """Nodes to ask for: up to MAX, one fewer per refusal, never fewer than MIN needs."""
     need = max(0, params.min_nodes - alive)
@@ -488,7 +493,7 @@ def replacement_failed(
     ``replacement_failed`` event."""
     if cap.asking_spares:
         failures = cap.spare_failures + 1
-        backoff = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (failures - 1))
+        backoff = retry_backoff(failures)
         if failures >= SPARE_TRIES:  # until a later loss asks afresh
             cap = dataclasses.replace(cap, spare_failures=0, spares_asked=cap.losses)
             return cap, f"no retry: go on with {alive} node(s), no hot spare"
@@ -498,7 +503,7 @@ def replacement_failed(
         count = max(0, cap.target(params) - alive)
         return cap, f"retry in {backoff:.0f} s for {count} hot spare(s)"
     failures = cap.failures + 1
-    backoff = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (failures - 1))
+    backoff = retry_backoff(failures)
     count = replacement_count(alive, failures, params)
     if count == 0:
         cap = dataclasses.replace(cap, failures=failures, replaced=cap.losses)

@@ -590,9 +590,8 @@ class HangWatch:
         notice = m.PersistStep(
             step=self._swap_after + 1, reason=f"the straggler's node {node} goes at its commit"
         )
-        for rec in self.job.participants():
-            if rec.state is NodeState.ACTIVE:
-                self._push(rec.agent_id, notice)
+        for agent in self.job.active_agents():
+            self._push(agent, notice)
 
     def committed(self) -> None:
         """A checkpoint was committed: the time to swap a straggler's node for a spare."""

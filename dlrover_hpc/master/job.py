@@ -182,6 +182,11 @@ class Job:
         """The nodes ranked in the current round (whatever their state now)."""
         return [n for n in self.nodes.values() if n.round == self.round and n.rank >= 0]
 
+    def active_agents(self) -> list[str]:
+        """The agents of the current round whose workers run now: where a push to the
+        round's workers goes (a persist, a stop, a swap's persist)."""
+        return [n.agent_id for n in self.participants() if n.state is NodeState.ACTIVE]
+
     def spares(self) -> int:
         """Agents waiting in rendezvous now, outside the running round (hot spares)."""
         return len(self._waiting()) if self.phase is Phase.RUNNING else 0

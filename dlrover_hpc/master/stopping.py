@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 from dlrover_hpc.master.continuation import Continuer, StopKind, StopPlan, stop_kind, stop_step
 from dlrover_hpc.master.job import Job
-from dlrover_hpc.master.nodes import NodeState
 from dlrover_hpc.master.phases import Phase
 from dlrover_hpc.master.steps import StepLog
 from dlrover_hpc.protocol import messages as m
@@ -111,9 +110,8 @@ class GracefulStop:
         self.sent, self._sent_round = True, self.job.round
         log.warning("graceful stop at step=%d round=%d", step, self.job.round)
         notice = m.StopAt(step=step, deadline=self.plan.deadline, reason=self.job.stopping)
-        for rec in self.job.participants():
-            if rec.state is NodeState.ACTIVE:
-                self._push(rec.agent_id, notice)
+        for agent in self.job.active_agents():
+            self._push(agent, notice)
 
     def _left_now(self, now: float) -> float | None:
         if self.time_left_s is None:
