@@ -236,6 +236,24 @@ def test_median_of_an_even_count_is_the_mean_of_the_middle_two() -> None:
     assert verdict.stragglers == {"d"}
 
 
+def test_a_straggler_must_also_be_25_ms_slower_than_the_median() -> None:
+    """CI: a healthy node timed at 30 ms against a 13 ms median, in both rounds, on a host
+    busy with other jobs; a slow link here takes 0.3-0.7 s against ~20 ms."""
+
+    def checked(times: dict[str, float]) -> frozenset[str]:
+        pairs = [tuple(list(times)[i : i + 2]) for i in range(0, len(times), 2)]
+        groups = tuple(
+            GroupResult(nodes=p, ok=True, elapsed_s={n: times[n] for n in p}) for p in pairs
+        )
+        return analyze([RoundResult(round_index=1, groups=groups)], max_rounds=1).stragglers
+
+    busy = {"node1": 0.013, "node2": 0.013, "node3": 0.030, "node4": 0.013}
+    assert checked(busy) == frozenset()  # 2.3x, 17 ms more: a busy host
+    assert checked({**busy, "node3": 0.039}) == {"node3"}  # 3x, 26 ms more
+    assert checked({**busy, "node3": 0.711, "node1": 0.021}) == {"node3"}  # a slow link
+    assert checked({"a": 1.0, "b": 1.0, "c": 1.9, "d": 1.0}) == frozenset()  # under 2x
+
+
 @pytest.mark.parametrize(
     ("build", "message"),
     [
