@@ -585,8 +585,8 @@ EXCLUDE_STRAGGLER = Setting(
     kind=Kind.SWITCH,
     default=False,
     help="exclude stragglers: with --network-check, a node whose check takes over 2x the "
-    "median and 25 ms more; and a runtime straggler's node (straggler_detected) is swapped out at the next "
-    "checkpoint always, not only when a spare waits or the others are enough",
+    "median and 25 ms more; and a runtime straggler's node (straggler_detected) is swapped "
+    "out at the next checkpoint always, not only when a spare waits or the others are enough",
 )
 #: ``--reconnect-timeout``: how long an agent whose master connection dropped keeps trying to
 #: reconnect (its workers train on meanwhile) before it stops them and exits.
