@@ -7,7 +7,8 @@ each TCP connection's smoothed round trip (``TCP_INFO``) counts the time its seg
 the node's queue.  On the slow node every connection that sends shows it; on a peer, only the
 one connection to that node.  So the agent reads every connection of its node at each
 heartbeat and reports the median round trip over the connections to other hosts that sent a
-few segments since the previous heartbeat (:data:`MIN_SEGMENTS`), and the lowest: on the slow
+few segments in the last seconds (:data:`MIN_SEGMENTS` over :data:`SEGMENT_SPAN_S` at least),
+and the lowest: on the slow
 node even that queues, while a peer's lowest is a connection to a healthy node (its median
 may count its connection to the slow one).  The master compares the nodes' lowest readings
 (:mod:`dlrover_hpc.master.link_slowness`).
@@ -21,6 +22,7 @@ storage).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
 import ipaddress
@@ -28,6 +30,8 @@ import logging
 import socket
 import statistics
 import struct
+import time
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,9 @@ log = logging.getLogger(__name__)
 #: per heartbeat (the agent's own, to the master), or only acknowledgements (a ring's link
 #: from the previous rank), lags the onset by several heartbeats
 MIN_SEGMENTS = 8
+#: ... counted from the newest reading at least this old (the oldest kept, while none is): at
+#: 1 s heartbeats a link slowed to a few steps a second sends fewer than 8 between two
+SEGMENT_SPAN_S = 2.0
 NETLINK_TIMEOUT_S = 2.0
 
 # <linux/netlink.h>, <linux/sock_diag.h>, <linux/inet_diag.h>, <linux/tcp.h>
@@ -184,22 +191,40 @@ def connections() -> list[Conn]:
 class TcpLinks:
     """Reads the node's connections; reports nothing where the kernel will not tell."""
 
-    def __init__(self) -> None:
-        self._segments: dict[tuple[str, str], int] | None = None
+    def __init__(
+        self,
+        source: Callable[[], list[Conn]] = connections,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._source, self._clock = source, clock
+        #: (when, each connection's segments then) of the recent readings, oldest first
+        self._readings: collections.deque[tuple[float, dict[tuple[str, str], int]]] = (
+            collections.deque()
+        )
         self._failed = False
 
+    def _baseline(self, now: float) -> dict[tuple[str, str], int] | None:
+        """The newest reading :data:`SEGMENT_SPAN_S` old at least (older ones dropped), or
+        the oldest; None before the first."""
+        while len(self._readings) > 1 and now - self._readings[1][0] >= SEGMENT_SPAN_S:
+            self._readings.popleft()
+        return self._readings[0][1] if self._readings else None
+
     def read(self) -> Links:
-        """The connections that sent :data:`MIN_SEGMENTS` data segments since the last read."""
+        """The connections that sent :data:`MIN_SEGMENTS` data segments since the newest
+        reading :data:`SEGMENT_SPAN_S` old (or the oldest there is)."""
         if self._failed:
             return Links()
         try:
-            conns = connections()
+            conns = self._source()
         except OSError as exc:  # no sock_diag (a kernel without it, a sandbox that denies it)
             log.warning(
                 "cannot read TCP connections error=%s: no TCP round trips in the heartbeats", exc
             )
             self._failed = True
             return Links()
-        first = self._segments is None
-        links, self._segments = summarize(conns, recent_ms=0.0, before=self._segments or {})
-        return Links() if first else links
+        now = self._clock()
+        before = self._baseline(now)
+        links, segments = summarize(conns, recent_ms=0.0, before=before or {})
+        self._readings.append((now, segments))
+        return Links() if before is None else links

@@ -305,9 +305,9 @@ class HangWatch:
             self._task = asyncio.get_running_loop().create_task(self._hang(bound))
             return
         warmed = self._round_began is None
-        # every second at the default heartbeats, at most every half heartbeat beyond: a check
+        # every half heartbeat (0.5 s up to 512 nodes), at most every STRAGGLER_CHECK_S: a check
         # is a pass over every rank (32,768 at 4,096 nodes), and finds news only after them
-        every_s = min(STRAGGLER_CHECK_S, max(1.0, job.config.heartbeat_every_s / 2))
+        every_s = min(STRAGGLER_CHECK_S, max(0.5, job.config.heartbeat_every_s / 2))
         if self.straggler_factor and warmed and now - self._stragglers_checked >= every_s:
             self._stragglers_checked = now
             self._check_stragglers(now)

@@ -9,8 +9,9 @@ alone: a peer's median counts its connection to the slow node, which queues too 
 a healthy node's median at 23 ms, its lowest 0.3 ms, beside the slow node's 40 and 32).  A
 node is slow once the median of its newest :data:`TCP_SAMPLES` lowest readings, each over
 :data:`MIN_CONNECTIONS` connections at least, is :data:`TCP_FACTOR` times its peers' and
-:data:`MIN_TCP_EXTRA_S` longer: two readings in three, about 4 s after the onset at the
-default 2 s heartbeats.  The heartbeat round trips stay the evidence for agents without it.
+:data:`MIN_TCP_EXTRA_S` longer: two readings in three, about 2 s after the onset at the
+1 s heartbeats of a job up to 512 nodes (4-5 s at 2 s heartbeats).  The heartbeat round trips
+stay the evidence for agents without it.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ in), and the in-process netlink reading against the kernel's own ``TCP_INFO`` of
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import itertools
 import re
@@ -71,6 +72,38 @@ def test_between_two_readings_only_connections_that_sent_segments_count() -> Non
     assert summarize(conns, recent_ms=0.0, before=before)[0] == Links(0.068768, 1, 0.068768)
     assert summarize(conns, recent_ms=0.0, before=now)[0] == Links()  # nothing sent since
     assert summarize(conns, recent_ms=0.0, before={})[0] == Links()  # all new: no baseline
+
+
+def test_segments_are_counted_over_two_seconds_at_least_whatever_the_heartbeat() -> None:
+    """At 1 s heartbeats a link slowed to a few steps a second sends fewer than
+    MIN_SEGMENTS between two readings: they are counted from the reading 2 s old."""
+    conns = _ss("ss-tin-slow-egress.txt")
+    data = ("10.77.7.3:59046", "10.77.7.2:34919")  # node3's gloo data to node2: 68.8 ms
+    sent = {"segments": conns[0].data_segs_out}  # any start; each read adds 5 to its data
+    clock = {"now": 100.0}
+
+    def source() -> list[Conn]:
+        sent["segments"] += 5
+        return [
+            dataclasses.replace(c, data_segs_out=sent["segments"])
+            if (c.local, c.peer) == data
+            else c
+            for c in conns
+        ]
+
+    links = TcpLinks(source, clock=lambda: clock["now"])
+    readings = []
+    for _ in range(5):  # 1 s apart: 5 segments each, under MIN_SEGMENTS = 8
+        readings.append(links.read())
+        clock["now"] += 1.0
+    assert readings[0] == Links()  # the first: the baseline
+    assert readings[1] == Links()  # 1 s: 5 segments, from the only reading there is
+    slow = Links(0.068768, 1, 0.068768)  # 2 s and more: 10 segments
+    assert readings[2:] == [slow, slow, slow]
+    assert tcp_links.SEGMENT_SPAN_S == 2.0 and tcp_links.MIN_SEGMENTS == 8
+    clock["now"] += 7.0  # a heartbeat 8 s apart (4,096 nodes): from the previous reading
+    assert links.read() == Links()  # 5 segments in 8 s: idle
+    assert [at for at, _ in links._readings] == [104.0, 112.0]  # older ones dropped
 
 
 def test_the_nodes_own_ranks_count_for_nothing() -> None:

@@ -368,7 +368,7 @@ def test_master_bad_topology_fails_before_making_the_job_dir(tmp_path: Path) -> 
         (
             ["--heartbeat-timeout=1"],
             {},
-            ["--heartbeat-timeout=1: must be longer than the heartbeat interval (2 s)"],
+            ["--heartbeat-timeout=1: must be longer than the heartbeat interval (1 s)"],
         ),
         (["--host=no-such-host.invalid"], {}, ["--host=no-such-host.invalid: cannot resolve"]),
         (["--host=192.0.2.1"], {}, ["192.0.2.1 is not an address of this node"]),
