@@ -281,12 +281,23 @@ def node_lost(phase: Phase, round: int, rec: NodeRecord, reason: str) -> list[Ac
 
 
 def lost_agents(
-    records: Iterable[NodeRecord], *, now: float, heartbeat_timeout_s: float
+    records: Iterable[NodeRecord],
+    *,
+    now: float,
+    heartbeat_timeout_s: float,
+    forming: bool = False,
 ) -> list[Action]:
     """Agents silent for longer than the heartbeat timeout, or disconnected for a grace (a
-    closed connection may be an agent about to reconnect); a link that timed out was already
-    silent for the link timeout, so it gets no grace."""
-    grace = min(heartbeat_timeout_s, 3.0)
+    closed connection may be an agent about to reconnect, its workers training on); a link
+    that timed out was already silent for the link timeout, so it gets no grace.
+
+    ``forming``: a round forms (:data:`phases.FORMING`).  The grace keeps a node's place in a
+    running round; while one forms, a node that is not connected only holds it up, and at MIN
+    the relaunch that would bring its node back waits for the loss (soak seed 3: a killed
+    agent's 3 s grace was 3 of a 6.9 s stall).  So a closed connection is lost then at once;
+    an agent that does reconnect is taken back as a spare (``node_readmitted``), and a
+    relaunch that finds it alive stops at the node lock."""
+    grace = 0.0 if forming else min(heartbeat_timeout_s, 3.0)
     actions: list[Action] = []
     for rec in records:
         if rec.state in (NodeState.LOST, NodeState.EXCLUDED, NodeState.DONE):
@@ -295,7 +306,7 @@ def lost_agents(
         cut = rec.disconnected_at is not None and rec.link_timed_out
         # A member restored from the journal gets longer: its agent is still reconnecting.
         wait = RESUME_GRACE_S if rec.resumed else grace
-        gone = rec.disconnected_at is not None and now - rec.disconnected_at > wait
+        gone = rec.disconnected_at is not None and (now - rec.disconnected_at > wait or not wait)
         if silent or cut or gone:
             why = "no heartbeat" if silent else "link timed out" if cut else "connection closed"
             if rec.resumed and not silent:

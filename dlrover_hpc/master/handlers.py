@@ -413,7 +413,11 @@ class AgentHandlers:
             self._disconnected = {r.agent_id for r in records if r.disconnected_at is not None}
         else:
             records = [job.nodes[a] for a in self._disconnected if a in job.nodes]
-        job.apply(d.lost_agents(records, now=now, heartbeat_timeout_s=silence_s))
+        job.apply(
+            d.lost_agents(
+                records, now=now, heartbeat_timeout_s=silence_s, forming=job.phase in FORMING
+            )
+        )
 
     def check_capacity(self) -> None:
         """Replacements and requeue; only once this process completed a rendezvous."""

@@ -214,6 +214,20 @@ def test_lost_agents_by_silence_or_disconnect() -> None:
         d.MarkLost("gone-1", "connection closed"),
         d.MarkLost("cut-1", "link timed out"),
     ]
+    # While a round forms, a closed connection holds it up: no grace (the blip too).
+    assert d.lost_agents(records, now=100.0, heartbeat_timeout_s=10.0, forming=True) == [
+        d.MarkLost("silent-1", "no heartbeat"),
+        d.MarkLost("gone-1", "connection closed"),
+        d.MarkLost("blip-1", "connection closed"),
+        d.MarkLost("cut-1", "link timed out"),
+    ]
+    # ... the very tick it closed, too; a master's restart still waits for re-registrations.
+    closing = rec("closing", A, last_seen=100.0, disconnected_at=100.0)
+    resumed = rec("resumed", A, last_seen=99.0, disconnected_at=99.0)
+    resumed.resumed = True
+    assert d.lost_agents([closing, resumed], now=100.0, heartbeat_timeout_s=10.0, forming=True) == [
+        d.MarkLost("closing-1", "connection closed")
+    ]
 
 
 PARAMS = RdzvParams(min_nodes=2, max_nodes=4, node_unit=1, last_call_s=1.0, timeout_s=60.0)
