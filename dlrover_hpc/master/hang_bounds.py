@@ -36,10 +36,9 @@ WARMUP_BOUND_S, WARMUP_MIN_S = 600.0, 120.0
 #: continues it, and its peers will wait for it in their next collective.  (A job that Slurm
 #: suspends stops its agents too, so they report no such thing.)  Throughout means its main
 #: thread did not run between the samples: a throttle that stops and continues it in turn
-#: (a slow node) starts the count again at each turn, so 1 s leaves no room for doubt (the
-#: soaks' throttle stops a worker 0.3 s of every 0.4) and costs the job 1 s less per such hang
-#: than 2 s did (4 s less than 5 s).
-STOPPED_BOUND_S = 1.0
+#: (a slow node) starts the count again at each turn, so 2 s leaves no room for doubt and
+#: costs the job 3 s less per such hang than 5 s did.
+STOPPED_BOUND_S = 2.0
 #: ``auto``: each section's own bound, unless the script gave one; other names get ``eval``'s.
 #: A rank in a section also progresses while it (or a data-loader worker) uses CPU.
 SECTION_BOUNDS_S = {"checkpoint": 600.0, "eval": 600.0, "data": 300.0, "warmup": WARMUP_BOUND_S}

@@ -117,15 +117,13 @@ def test_a_rank_within_its_section_bound_keeps_the_job_from_a_hang() -> None:
 
 
 def test_a_rank_stopped_by_a_signal_is_a_hang_at_once_with_auto_alone() -> None:
-    stopped = _p(1, 1.0, stopped_s=0.5)
+    stopped = _p(1, 1.0, stopped_s=1.0)
     bound = hangs.STOPPED_BOUND_S
-    # SIGSTOP for 1 s throughout: nothing legitimate does that (the soaks' throttle, a slow
-    # node, stops a worker 0.3 s at a time)
-    assert bound == 1.0
-    # the others still step (or only just began to wait for it): 1 s stopped is enough
+    assert bound == 2.0  # SIGSTOP for 2 s throughout: nothing legitimate does that
+    # the others still step (or only just began to wait for it): 2 s stopped is enough
     job = [(_p(0, 0.2), 10.0), (stopped, 10.0)]
-    assert hangs.hung_ranks(job, now=10.0 + bound - 0.75, timeout_s=AUTO) is None
-    assert hangs.hung_ranks(job, now=10.0 + bound - 0.5, timeout_s=AUTO) == hangs.Bound(
+    assert hangs.hung_ranks(job, now=10.0 + bound - 1.5, timeout_s=AUTO) is None
+    assert hangs.hung_ranks(job, now=10.0 + bound - 1.0, timeout_s=AUTO) == hangs.Bound(
         hangs.STOPPED_BOUND_S, "stopped process"
     )
     # in its evaluation, its warm-up or its checkpoint alike

@@ -111,7 +111,7 @@ def test_a_stopped_rank_is_detected_dumped_and_the_job_restarts(tmp_path: Path) 
     latency = hang["time"] - stopped_at
     print(f"hang detected {latency:.1f} s after SIGSTOP (bound {hang['bound_s']} s)")
     # the agent sees the process stopped throughout: no need to wait for the learned bound
-    assert hang["bound_s"] == STOPPED_BOUND_S == 1.0, hang
+    assert hang["bound_s"] == STOPPED_BOUND_S == 2.0, hang
     assert hang["bound_from"] == "stopped process", hang
     assert latency <= hang["bound_s"] + 15.0, hang
     assert hang["suspected_rank"] == 1 and hang["why"] == "its process is stopped", hang
