@@ -37,7 +37,8 @@ WARMUP_BOUND_S, WARMUP_MIN_S = 600.0, 120.0
 #: suspends stops its agents too, so they report no such thing.)  Throughout means its main
 #: thread did not run between the samples: a throttle that stops and continues it in turn
 #: (a slow node) starts the count again at each turn, so 2 s leaves no room for doubt and
-#: costs the job 3 s less per such hang than 5 s did.
+#: costs the job 3 s less per such hang than 5 s did.  Not 1 s: the soak's slow node (a worker
+#: run 0.1 s of every 0.4 on 2 busy cores) was then called hung, its turns unseen (seed 1).
 STOPPED_BOUND_S = 2.0
 #: ``auto``: each section's own bound, unless the script gave one; other names get ``eval``'s.
 #: A rank in a section also progresses while it (or a data-loader worker) uses CPU.
