@@ -8,10 +8,9 @@ the node's queue.  On the slow node every connection that sends shows it; on a p
 one connection to that node.  So the agent reads every connection of its node at each
 heartbeat and reports the median round trip over the connections to other hosts that sent a
 few segments in the last seconds (:data:`MIN_SEGMENTS` over :data:`SEGMENT_SPAN_S` at least),
-and the lowest: on the slow
-node even that queues, while a peer's lowest is a connection to a healthy node (its median
-may count its connection to the slow one).  The master compares the nodes' lowest readings
-(:mod:`dlrover_hpc.master.link_slowness`).
+and the lowest: on the slow node even that queues, while a peer's lowest is a connection to a
+healthy node (its median may count its connection to the slow one).  The master compares the
+nodes' lowest readings (:mod:`dlrover_hpc.master.link_slowness`).
 
 The connections are read in this process over netlink (``sock_diag``, what ``ss -tin`` asks),
 never by starting ``ss``: a forked child closes the agent's inherited descriptors, and on a

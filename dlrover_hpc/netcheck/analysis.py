@@ -18,9 +18,9 @@ how long each node took. The analysis is a pure function of the reported rounds:
 * A **straggler** is a healthy node whose check time (its best time over all passed groups) is
   more than `straggler_factor` (2) times the median of all nodes' best times, and at least
   `MIN_STRAGGLER_EXTRA_S` (25 ms) more: on a check this short, a host busy with other work doubles
-  a healthy node's time (see `evidence.py`). In a collective the
-  partner of a slow node waits for it and looks slow too, so a candidate seen in one group only is
-  re-measured next to a fast node before it counts as settled.
+  a healthy node's time (see `evidence.py`). In a collective the partner of a slow node waits for
+  it and looks slow too, so a candidate seen in one group only is re-measured next to a fast node
+  before it counts as settled.
 
 Round 1 (`plan_round1`) pairs neighbours in rank order (0-1, 2-3, ...), which topology ordering
 makes switch-local. With an odd count the last group is a triple: every node runs exactly one
