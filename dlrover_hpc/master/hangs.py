@@ -75,7 +75,7 @@ from dlrover_hpc.master.slowness import (
     slow_links,
     stragglers,
 )
-from dlrover_hpc.master.step_slowness import StepSlowness
+from dlrover_hpc.master.step_slowness import StepSlowness, weak_factor
 from dlrover_hpc.protocol import messages as m
 
 #: the rules live in hang_bounds and slowness; their names stay importable from here
@@ -173,6 +173,7 @@ class HangWatch:
         self._swap_after = -1  # the newest step when it was found: a save after it will do
         job.on_round_opening = self.round_opening
         job.saved_steps = self.saved_steps
+        job.keeps_pace = self.keeps_pace
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ reports
@@ -607,6 +608,24 @@ class HangWatch:
             return None
         seen = self._seen.values()
         return min(s.progress.saved_step for s in seen), max(s.progress.step for s in seen)
+
+    def keeps_pace(self, node: str) -> bool:
+        """Whether ``node``'s ranks are shown to keep their peers' pace in the running round:
+        each has a window of timed steps (:func:`step_slowness.recent`), none is a candidate at
+        the straggler check's weak factor or in an episode, and no slow link of it is being
+        timed.  False while that is not shown (a round's first steps)."""
+        if not self.straggler_factor:
+            return True  # nothing judges pace (and nothing benches a node for it)
+        self._new_round()
+        ranks = [rank for rank, seen in self._seen.items() if seen.node == node]
+        if not ranks or node in self._link_since:
+            return False
+        windows = self._steps.windows(self.job.clock())
+        if any(rank not in windows or rank in self._steps.episodes for rank in ranks):
+            return False
+        timings = {r: (w.compute_s, w.wait_s) for r, w in windows.items()}
+        slow = stragglers(timings, weak_factor(self.straggler_factor))
+        return not any(rank in slow for rank in ranks)
 
     def _swap_if_saved(self) -> None:
         """Every rank of the running round holds a step in memory that it saved after the

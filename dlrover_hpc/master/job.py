@@ -128,6 +128,9 @@ class Job:
         #: the running round's saved steps: (the oldest of each rank's newest step saved to
         #: memory, the newest step any rank reported); None: not every rank has reported
         self.saved_steps: Callable[[], tuple[int, int] | None] | None = None
+        #: whether a node's ranks are shown to keep their peers' pace now (steps timed in the
+        #: running round, none slow); None: nothing judges it (no node is then benched slow)
+        self.keeps_pace: Callable[[str], bool] | None = None
         self._scale_up_wait: d.ScaleUpWait | None = None  # a scale-up put off to a checkpoint
         self._deferred_since: float | None = None  # ... for the round that takes the node in
         self._saw_save = False  # every rank of a round held a saved step: the job checkpoints
@@ -345,6 +348,7 @@ class Job:
                 continue
             was_active |= rec.state is NodeState.ACTIVE
             rec.state, rec.joined_at = NodeState.BENCHED, self.clock()
+            rec.taken_back = False
             rec.drained = drained
             if drained:
                 rec.reason = f"drained: {reason}"  # what status shows it waits for
@@ -391,7 +395,7 @@ class Job:
         wait = self._scale_up_wait
         if wait is None:
             if not limit or not (self._saw_save or self.last_committed >= 0):
-                self.apply(actions)  # no checkpoint to wait for
+                self._grow(actions)  # no checkpoint to wait for
                 return None
             newest = steps[1] if steps is not None else -1
             wait = self._scale_up_wait = d.ScaleUpWait(since=now, after_step=newest)
@@ -411,10 +415,28 @@ class Job:
             return min(wait.since + limit, now + SCALE_UP_POLL_S)
         # open_round hands the wait's start on to the round's node_admitted
         reason = actions[0].reason if isinstance(actions[0], d.OpenRound) else "scale up"
-        self.apply(
-            [d.OpenRound(Phase.RENDEZVOUS, f"{reason} (deferred {now - wait.since:.1f} s: {why})")]
-        )
+        deferred = f"deferred {now - wait.since:.1f} s: {why}"
+        self._grow([d.OpenRound(Phase.RENDEZVOUS, f"{reason} ({deferred})")], deferred)
         return None
+
+    def _grow(self, actions: Sequence[d.Action], deferred: str = "") -> None:
+        """Take the waiting nodes in (``actions``: the round that does it).  A benched straggler
+        that a round short of MIN took back (:meth:`_reserve`) and that does not keep its
+        peers' pace now is benched again in the same restart, a waiting node taking its place:
+        a slow node trains only while no other can (soak seed 2: a node at a quarter speed,
+        taken back at MIN 3, trained on beside the returning node; its restart took 4.7 s)."""
+        waiting = len(self._waiting())
+        slow = [
+            rec
+            for rec in sorted(self.participants(), key=lambda n: (n.joined_at, n.agent_id))
+            if rec.taken_back and not (self.keeps_pace is not None and self.keeps_pace(rec.node))
+        ][:waiting]
+        if not slow:
+            self.apply(actions)
+            return
+        why = "taken back at MIN, traded for a waiting node"
+        for rec in slow:
+            self.bench(rec.node, f"{why} ({deferred})" if deferred else why)
 
     def _short(self, waiting: int) -> bool:
         """``waiting`` nodes are too few for a round."""
@@ -439,6 +461,7 @@ class Job:
             return []
         taken = sorted(benched, key=lambda n: (n.joined_at, n.agent_id))[:short]
         for rec in taken:
+            rec.taken_back = True
             log.warning(
                 "benched node taken back node=%s: the round would wait with %d of MIN %d nodes",
                 rec.node,

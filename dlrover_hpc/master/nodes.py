@@ -54,6 +54,9 @@ class NodeRecord:
     #: benched because Slurm drained its node (:mod:`dlrover_hpc.master.node_states`): never
     #: taken back while drained, a hot spare again once the drain is lifted
     drained: bool = False
+    #: a benched straggler that a round short of MIN took back: it trains until a waiting node
+    #: can take its place (``Job._grow``), unless it keeps its peers' pace by then
+    taken_back: bool = False
 
 
 class StoreFactory(Protocol):

@@ -698,6 +698,76 @@ def test_a_benched_straggler_is_taken_back_only_when_a_round_would_wait_below_mi
     run(body)
 
 
+def _taken_back_at_min(h: Harness, watch: HangWatch) -> tuple[list[str], int]:
+    """n3 is benched as a straggler, then n2 is lost: round 3 takes n3 back at MIN 2
+    (n1, n3 train).  Returns the agents and a step past every one reported so far."""
+    agents = h.start("n1", "n2", "n3")
+    watch.straggler_factor = 2.0
+    _sustained_straggler(h, watch, agents)
+    watch.committed()
+    for agent in agents:
+        h.wait(agent, after=1)
+    h.settle(1.5)
+    h.job.apply([d.MarkLost(agents[1], "connection closed")])
+    h.wait(agents[0], after=2)
+    h.settle(0.5)
+    n3 = h.job.nodes[agents[2]]
+    assert (h.job.phase, h.job.round, n3.state) == (Phase.RUNNING, 3, NodeState.ACTIVE)
+    assert n3.taken_back
+    return agents, 100
+
+
+@pytest.mark.parametrize("pace", [0.5, 0.1])
+def test_a_straggler_taken_back_at_min_gives_its_place_to_a_waiting_node(
+    tmp_path: Path, pace: float
+) -> None:
+    """Soak seed 2: a node at a quarter speed was benched, taken back at MIN 3, and when a
+    drained node came back the job grew to 4 with the slow node still in (its restart took
+    4.7 s, its steps a quarter speed).  Now the scale-up trades it for the waiting node,
+    unless its steps since were shown to keep its peers' pace (then the job grows)."""
+
+    async def body() -> None:
+        h = Harness(tmp_path, nnodes="2:3")
+        watch = _watch(h, tmp_path)
+        agents, step = _taken_back_at_min(h, watch)
+        n1, n3 = (h.job.nodes[a] for a in (agents[0], agents[2]))
+        for _ in range(4):  # n3 computes ``pace`` s a step, n1 0.1 s and waits for it
+            step += 1
+            _agent_beat(h, watch, agents[0], step, compute=0.1, wait=pace - 0.1, saved=-1, p99=0.6)
+            _agent_beat(h, watch, agents[2], step, compute=pace, wait=0.0, saved=-1, p99=0.6)
+            h.clock.now += 1.0
+        assert watch.keeps_pace("n3") is (pace == 0.1) and watch.keeps_pace("n1")
+        late = h.join("n4")
+        h.wait(late)
+        h.settle()
+        if pace == 0.1:  # shown healthy since: the job grows to MAX 3 with it
+            assert h.job.phase is Phase.RENDEZVOUS and n3.state is NodeState.ACTIVE
+            h.rejoin([agents[0], agents[2]])
+            h.settle()
+            assert (h.job.phase, h.job.round) == (Phase.RUNNING, 4)
+            assert sorted(n.node for n in h.job.participants()) == ["n1", "n3", "n4"]
+            return
+        assert n3.state is NodeState.BENCHED and not n3.taken_back
+        assert h.job.phase is Phase.SHRINKING
+        told = [msg for agent, msg in h.pushed if agent == agents[2]]
+        assert isinstance(told[-1], m.RoundChanged)
+        assert "traded for a waiting node" in told[-1].reason
+        for agent in (agents[0], agents[2]):  # n3's agent waits on its node, benched
+            h.wait(agent, after=3)
+        h.settle(0.5)
+        assert (h.job.phase, h.job.round) == (Phase.RUNNING, 4)
+        assert sorted(n.node for n in h.job.participants()) == ["n1", "n4"]
+        assert n1.state is NodeState.ACTIVE and n3.state is NodeState.BENCHED
+        # a later loss below MIN takes it back again, as before
+        h.job.apply([d.MarkLost(late, "connection closed")])
+        h.wait(agents[0], after=4)
+        h.settle(0.5)
+        assert (h.job.phase, h.job.round) == (Phase.RUNNING, 5)
+        assert n3.state is NodeState.ACTIVE and n3.taken_back
+
+    run(body)
+
+
 def _paced_straggler(
     h: Harness, watch: HangWatch, pace: dict[str, float], step: int
 ) -> tuple[list[dict], int]:
