@@ -424,8 +424,9 @@ class Job:
         that a round short of MIN took back (:meth:`_reserve`) and that does not keep its
         peers' pace now is benched again in the same restart, a waiting node taking its place:
         a slow node trains only while no other can (soak seed 2: a node at a quarter speed,
-        taken back at MIN 3, trained on beside the returning node; its restart took 4.7 s)."""
-        waiting = len(self._waiting())
+        taken back at MIN 3, trained on beside the returning node; its restart took 4.7 s).
+        Not with ``--segment``: a round takes whole segments, not one node for another."""
+        waiting = len(self._waiting()) if self.params.segment <= 1 else 0
         slow = [
             rec
             for rec in sorted(self.participants(), key=lambda n: (n.joined_at, n.agent_id))
